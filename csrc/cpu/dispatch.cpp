@@ -1,0 +1,114 @@
+// Run-time choice of the CPU instruction set, and the launcher API entry points that route
+// each call to the copy of a kernel compiled for that instruction set. Compiled with the
+// baseline flags only: nothing here may execute an AVX-512 instruction.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "cpu/grouped_topk_isa.h"
+#include "moeext/common.h"
+#include "moeext/grouped_topk.h"
+
+namespace moeext {
+namespace {
+
+bool cpu_has_avx512() {
+#if defined(MOEEXT_HAVE_AVX512) && (defined(__x86_64__) || defined(_M_X64))
+  // libgcc's checks include the OS's XSAVE support for the ZMM state.
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool isa_available(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      return true;
+    case CpuIsa::kAvx512:
+      return cpu_has_avx512();
+  }
+  return false;
+}
+
+CpuIsa isa_from_environment() {
+  const char* forced = std::getenv("MOEEXT_CPU_ISA");
+  if (forced != nullptr) {
+    if (std::strcmp(forced, "scalar") == 0) return CpuIsa::kScalar;
+    if (std::strcmp(forced, "avx512") == 0 && cpu_has_avx512()) return CpuIsa::kAvx512;
+  }
+  return cpu_isa_best();
+}
+
+std::atomic<CpuIsa>& active_isa() {
+  static std::atomic<CpuIsa> isa{isa_from_environment()};
+  return isa;
+}
+
+}  // namespace
+
+CpuIsa cpu_isa_best() {
+  static const CpuIsa best = cpu_has_avx512() ? CpuIsa::kAvx512 : CpuIsa::kScalar;
+  return best;
+}
+
+CpuIsa cpu_isa_active() { return active_isa().load(std::memory_order_relaxed); }
+
+bool set_cpu_isa(CpuIsa isa) {
+  if (!isa_available(isa)) return false;
+  active_isa().store(isa == CpuIsa::kAuto ? cpu_isa_best() : isa, std::memory_order_relaxed);
+  return true;
+}
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto:
+      return "auto";
+    case CpuIsa::kScalar:
+      return "scalar";
+    case CpuIsa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin,
+                             int64_t row_end) {
+  if (row_begin >= row_end) return;
+  // Four float rows of num_experts (padded to whole 16-lane vectors), then the key arrays.
+  const int64_t padded = (p.num_experts + 15) / 16 * 16;
+  const int64_t floats = 4 * padded;
+  const int64_t keys = p.topk_group + p.topk;
+  const int64_t bytes = floats * int64_t(sizeof(float)) + keys * int64_t(sizeof(uint64_t));
+  // Decode-sized calls (the common case) stay on the stack: no allocation per call.
+  alignas(64) unsigned char stack_buffer[24 * 1024];
+  std::unique_ptr<unsigned char[]> heap_buffer;
+  unsigned char* buffer = stack_buffer;
+  if (bytes > int64_t(sizeof(stack_buffer))) {
+    heap_buffer.reset(new unsigned char[bytes]);
+    buffer = heap_buffer.get();
+  }
+  float* f = reinterpret_cast<float*>(buffer);
+  uint64_t* k = reinterpret_cast<uint64_t*>(buffer + floats * sizeof(float));
+  const cpu::GroupedTopkWorkspace ws{f, f + padded, f + 2 * padded, f + 3 * padded, k,
+                                     k + p.topk_group};
+
+  switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      cpu::avx512::biased_grouped_topk(p, row_begin, row_end, ws);
+      return;
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      cpu::scalar::biased_grouped_topk(p, row_begin, row_end, ws);
+      return;
+  }
+}
+
+}  // namespace moeext

@@ -1,0 +1,46 @@
+// Storage-only element types the CPU kernels read, and their exact widening to fp32.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace moeext::cpu {
+
+struct bf16_t {
+  uint16_t bits;
+};
+struct fp16_t {
+  uint16_t bits;
+};
+// Stands in for the bias type when a call has no correction bias.
+struct no_bias_t {};
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_t x) { return bits_to_float(uint32_t(x.bits) << 16); }
+inline float to_float(fp16_t x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  const uint32_t mantissa = x.bits & 0x3ffu;
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-24 is exact in fp32.
+    const float magnitude = float(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) {
+    return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  }
+  return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+}  // namespace moeext::cpu

@@ -1,0 +1,57 @@
+// exp and log1p over the Vec of this ISA (Cephes single-precision polynomials, about 1 ulp).
+// Written once over Vec so the scalar and AVX-512 paths round identically.
+#pragma once
+
+namespace moeext::cpu::MOEEXT_CPU_ISA {
+
+inline Vec vexp(Vec x) {
+  // Clamp with x as the second operand so a NaN x passes through. Below -104 the result
+  // underflows to 0 and above 89 it overflows to inf; scalef does both exactly.
+  x = Vec::min(Vec::set1(89.0f), Vec::max(Vec::set1(-104.0f), x));
+  const Vec n = Vec::round(x * Vec::set1(1.44269504088896341f));
+  // x - n * ln2 with ln2 split in two so the reduction stays exact.
+  Vec r = Vec::fmadd(n, Vec::set1(-0.693359375f), x);
+  r = Vec::fmadd(n, Vec::set1(2.12194440e-4f), r);
+  Vec p = Vec::set1(1.9875691500e-4f);
+  p = Vec::fmadd(p, r, Vec::set1(1.3981999507e-3f));
+  p = Vec::fmadd(p, r, Vec::set1(8.3334519073e-3f));
+  p = Vec::fmadd(p, r, Vec::set1(4.1665795894e-2f));
+  p = Vec::fmadd(p, r, Vec::set1(1.6666665459e-1f));
+  p = Vec::fmadd(p, r, Vec::set1(5.0000001201e-1f));
+  p = Vec::fmadd(p, r * r, r + Vec::set1(1.0f));
+  return Vec::scalef(p, n);
+}
+
+// Natural log of finite positive normal x (NaN passes through).
+inline Vec vlog(Vec x) {
+  Vec e;
+  Vec m = Vec::frexp(x, &e);  // x = m * 2^e, m in [0.5, 1)
+  const typename Vec::Mask small = Vec::cmp_lt(m, Vec::set1(0.707106781186547524f));
+  e = Vec::select(small, e - Vec::set1(1.0f), e);
+  m = Vec::select(small, m + m, m) - Vec::set1(1.0f);
+  const Vec z = m * m;
+  Vec p = Vec::set1(7.0376836292e-2f);
+  p = Vec::fmadd(p, m, Vec::set1(-1.1514610310e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(1.1676998740e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(-1.2420140846e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(1.4249322787e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(-1.6668057665e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(2.0000714765e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(-2.4999993993e-1f));
+  p = Vec::fmadd(p, m, Vec::set1(3.3333331174e-1f));
+  Vec y = p * m * z;
+  y = Vec::fmadd(e, Vec::set1(-2.12194440e-4f), y);
+  y = Vec::fmadd(z, Vec::set1(-0.5f), y);
+  return Vec::fmadd(e, Vec::set1(0.693359375f), m + y);
+}
+
+// log(1 + y) for y >= 0, accurate for tiny y: log(u) * y / (u - 1) with u = 1 + y cancels
+// the rounding of u (Goldberg's trick); u == 1 means log1p(y) == y to working precision.
+inline Vec vlog1p(Vec y) {
+  const Vec u = y + Vec::set1(1.0f);
+  const Vec d = u - Vec::set1(1.0f);
+  const Vec ratio = y / Vec::select(Vec::cmp_eq(d, Vec::set1(0.0f)), Vec::set1(1.0f), d);
+  return Vec::select(Vec::cmp_eq(d, Vec::set1(0.0f)), y, vlog(u) * ratio);
+}
+
+}  // namespace moeext::cpu::MOEEXT_CPU_ISA

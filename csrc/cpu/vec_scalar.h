@@ -1,0 +1,65 @@
+// One-lane "vector" with the interface of vec_avx512.h, so every kernel is written once and
+// the portable build is the same algorithm at width 1. Masks are bit sets (bit i = lane i).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cpu/types.h"
+
+namespace moeext::cpu::MOEEXT_CPU_ISA {
+
+struct Vec {
+  static constexpr int kWidth = 1;
+  using Mask = uint32_t;
+  float v;
+
+  static Vec set1(float x) { return {x}; }
+  static Mask tail_mask(int64_t n) { return n > 0 ? 1u : 0u; }
+
+  template <typename T>
+  static Vec load(const T* p, Mask m, float fill) {
+    return {m ? to_float(*p) : fill};
+  }
+  void store(float* p, Mask m) const {
+    if (m) *p = v;
+  }
+
+  friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+  friend Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+  friend Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+  friend Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
+  // a * b + c, fused like the vector paths so that both give the same bits.
+  static Vec fmadd(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
+  // x86 max/min semantics: the second operand is returned when either is NaN.
+  static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+  static Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
+  static Vec sqrt(Vec a) { return {std::sqrt(a.v)}; }
+  static Vec round(Vec a) { return {std::nearbyint(a.v)}; }
+  // a * 2^n for integral n (NaN n gives NaN).
+  static Vec scalef(Vec a, Vec n) {
+    return {std::isnan(n.v) ? n.v : std::ldexp(a.v, int(n.v))};
+  }
+  // Positive normal a = mant * 2^exp with mant in [0.5, 1).
+  static Vec frexp(Vec a, Vec* exp) {
+    int e;
+    const float mant = std::frexp(a.v, &e);
+    exp->v = float(e);
+    return {mant};
+  }
+
+  static Mask cmp_gt(Vec a, Vec b) { return a.v > b.v; }
+  static Mask cmp_ge(Vec a, Vec b) { return a.v >= b.v; }
+  static Mask cmp_lt(Vec a, Vec b) { return a.v < b.v; }
+  static Mask cmp_eq(Vec a, Vec b) { return a.v == b.v; }
+  static Mask is_nan(Vec a) { return std::isnan(a.v); }
+  // m ? a : b, lane by lane.
+  static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }
+
+  static float reduce_max(Vec a) { return a.v; }
+  static float reduce_add(Vec a) { return a.v; }
+};
+
+inline int popcount(uint32_t m) { return __builtin_popcount(m); }
+
+}  // namespace moeext::cpu::MOEEXT_CPU_ISA

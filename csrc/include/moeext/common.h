@@ -1,0 +1,33 @@
+// Types shared by every launcher in the plain C++ API. No torch here: the torch bindings and
+// the C++ benchmark binary both fill these in.
+#pragma once
+
+#include <cstdint>
+
+namespace moeext {
+
+// The element types a kernel may be asked to read. The bindings map torch dtypes onto these.
+enum class DType : int8_t {
+  kFloat32,
+  kBFloat16,
+  kFloat16,
+};
+
+// Instruction-set paths of the CPU kernels, best last. kAuto means "the best this CPU runs".
+enum class CpuIsa : int8_t {
+  kAuto = -1,
+  kScalar = 0,
+  kAvx512 = 1,
+};
+
+// The best path this binary has and this CPU (and OS) supports.
+CpuIsa cpu_isa_best();
+// The path the CPU kernels use now: the best one unless forced, by set_cpu_isa() or by the
+// environment variable MOEEXT_CPU_ISA=scalar|avx512 read once at start.
+CpuIsa cpu_isa_active();
+// Forces a path (kAuto restores the best one). Returns false, changing nothing, when the
+// binary or the CPU lacks it.
+bool set_cpu_isa(CpuIsa isa);
+const char* cpu_isa_name(CpuIsa isa);
+
+}  // namespace moeext

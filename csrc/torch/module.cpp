@@ -1,0 +1,58 @@
+// moeext._C: importing it loads the TORCH_LIBRARY registrations of this shared library. The
+// few functions here are about the build and the CPU paths, not ops (those are torch.ops).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "moeext/common.h"
+
+namespace py = pybind11;
+
+namespace {
+
+moeext::CpuIsa parse_isa(const std::string& name) {
+  if (name == "auto") return moeext::CpuIsa::kAuto;
+  if (name == "scalar") return moeext::CpuIsa::kScalar;
+  if (name == "avx512") return moeext::CpuIsa::kAvx512;
+  throw py::value_error("set_cpu_isa: isa must be 'auto', 'scalar' or 'avx512', got '" + name +
+                        "'");
+}
+
+std::vector<std::string> compiled_isas() {
+  std::vector<std::string> isas{"scalar"};
+#if defined(MOEEXT_HAVE_AVX512)
+  isas.emplace_back("avx512");
+#endif
+  return isas;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "moeext native library: registers torch.ops.moeext.* on import";
+  m.def("build_info", [] {
+    py::dict info;
+    info["torch_version"] = MOEEXT_TORCH_VERSION;
+    info["backends"] = std::vector<std::string>{"cpu"};
+    info["cpu_isas_compiled"] = compiled_isas();
+    info["cpu_isa_best"] = moeext::cpu_isa_name(moeext::cpu_isa_best());
+    info["cpu_isa_active"] = moeext::cpu_isa_name(moeext::cpu_isa_active());
+    return info;
+  }, "What this build of moeext contains: backends, CPU instruction-set paths, torch version.");
+  m.def("cpu_isa", [] { return std::string(moeext::cpu_isa_name(moeext::cpu_isa_active())); },
+        "The instruction-set path the CPU kernels use now.");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& name) {
+        const moeext::CpuIsa isa = parse_isa(name);
+        if (!moeext::set_cpu_isa(isa)) {
+          throw py::value_error("set_cpu_isa: '" + name +
+                                "' is not available in this build or on this CPU");
+        }
+      },
+      py::arg("isa"),
+      "Forces the CPU kernels onto one instruction-set path ('scalar', 'avx512') or back to "
+      "the best available ('auto').");
+}

@@ -1,0 +1,122 @@
+#include "torch/params.h"
+
+#include <c10/util/Exception.h>
+
+#include <limits>
+
+namespace moeext::torch_glue {
+
+DType to_moeext_dtype(const at::Tensor& t, const char* op, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
+    default:
+      TORCH_CHECK(false, op, ": ", arg, " must be float32, bfloat16 or float16, got ",
+                  t.scalar_type());
+  }
+}
+
+namespace {
+
+ScoringFunc parse_scoring_func(std::string_view name, const char* op) {
+  if (name == "sigmoid") return ScoringFunc::kSigmoid;
+  if (name == "sqrtsoftplus") return ScoringFunc::kSqrtSoftplus;
+  if (name == "softmax") return ScoringFunc::kSoftmax;
+  TORCH_CHECK(false, op, ": scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax', got '",
+              name, "'");
+}
+
+void check_output(const at::Tensor& out, const at::Tensor& gating_output, at::ScalarType dtype,
+                  int64_t topk, const char* op, const char* arg) {
+  TORCH_CHECK(out.dim() == 2, op, ": ", arg, " must be 2-D [num_tokens, topk], got ", out.dim(),
+              "-D");
+  TORCH_CHECK(out.scalar_type() == dtype, op, ": ", arg, " must be ", dtype, ", got ",
+              out.scalar_type());
+  TORCH_CHECK(out.device() == gating_output.device(), op, ": ", arg, " is on ", out.device(),
+              " but gating_output is on ", gating_output.device());
+  TORCH_CHECK(out.size(0) == gating_output.size(0) && out.size(1) == topk, op, ": ", arg,
+              " must have shape [", gating_output.size(0), ", ", topk, "], got ", out.sizes());
+  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1, op, ": ", arg,
+              " must have contiguous columns (stride(1) == 1; rows may be strided), got strides ",
+              out.strides());
+}
+
+}  // namespace
+
+ScoringFunc check_grouped_topk_inputs(const at::Tensor& gating_output,
+                                      const std::optional<at::Tensor>& correction_bias,
+                                      int64_t num_expert_group, int64_t topk_group,
+                                      int64_t topk, std::string_view scoring_func,
+                                      const char* op) {
+  TORCH_CHECK(gating_output.dim() == 2, op,
+              ": gating_output must be 2-D [num_tokens, num_experts], got shape ",
+              gating_output.sizes());
+  to_moeext_dtype(gating_output, op, "gating_output");
+  const int64_t num_experts = gating_output.size(1);
+  TORCH_CHECK(num_experts <= std::numeric_limits<int32_t>::max(), op,
+              ": num_experts must fit int32 expert ids, got ", num_experts);
+  TORCH_CHECK(num_expert_group >= 1, op, ": num_expert_group must be >= 1, got ",
+              num_expert_group);
+  TORCH_CHECK(num_experts % num_expert_group == 0, op, ": num_expert_group (",
+              num_expert_group, ") must divide the number of experts (", num_experts, ")");
+  TORCH_CHECK(topk_group >= 1 && topk_group <= num_expert_group, op,
+              ": topk_group must be in [1, num_expert_group = ", num_expert_group, "], got ",
+              topk_group);
+  const int64_t per_group = num_experts / num_expert_group;
+  TORCH_CHECK(topk >= 1, op, ": topk must be >= 1, got ", topk);
+  TORCH_CHECK(topk <= topk_group * per_group, op, ": topk (", topk,
+              ") exceeds the experts in the kept groups (topk_group ", topk_group, " x ",
+              per_group, " per group)");
+  if (correction_bias.has_value()) {
+    const at::Tensor& bias = *correction_bias;
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == num_experts, op,
+                ": correction_bias must have shape [", num_experts, "], got ", bias.sizes());
+    to_moeext_dtype(bias, op, "correction_bias");
+    TORCH_CHECK(bias.device() == gating_output.device(), op, ": correction_bias is on ",
+                bias.device(), " but gating_output is on ", gating_output.device());
+  }
+  return parse_scoring_func(scoring_func, op);
+}
+
+BiasedGroupedTopkParams make_grouped_topk_params(
+    const at::Tensor& gating_output, const std::optional<at::Tensor>& correction_bias,
+    const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t num_expert_group,
+    int64_t topk_group, bool renormalize, double routed_scaling_factor,
+    std::string_view scoring_func, const char* op) {
+  TORCH_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be 2-D [num_tokens, topk], got ",
+              topk_ids.dim(), "-D");
+  const int64_t topk = topk_ids.size(1);
+  BiasedGroupedTopkParams p;
+  p.scoring_func = check_grouped_topk_inputs(gating_output, correction_bias, num_expert_group,
+                                             topk_group, topk, scoring_func, op);
+  check_output(topk_weights, gating_output, at::kFloat, topk, op, "topk_weights");
+  check_output(topk_ids, gating_output, at::kInt, topk, op, "topk_ids");
+
+  p.gating_output = gating_output.data_ptr();
+  p.gating_dtype = to_moeext_dtype(gating_output, op, "gating_output");
+  p.gating_row_stride = gating_output.stride(0);
+  p.gating_col_stride = gating_output.stride(1);
+  if (correction_bias.has_value()) {
+    p.correction_bias = correction_bias->data_ptr();
+    p.bias_dtype = to_moeext_dtype(*correction_bias, op, "correction_bias");
+    p.bias_stride = correction_bias->stride(0);
+  }
+  p.topk_weights = topk_weights.data_ptr<float>();
+  p.weights_row_stride = topk_weights.stride(0);
+  p.topk_ids = topk_ids.data_ptr<int32_t>();
+  p.ids_row_stride = topk_ids.stride(0);
+  p.num_tokens = gating_output.size(0);
+  p.num_experts = gating_output.size(1);
+  p.num_expert_group = num_expert_group;
+  p.topk_group = topk_group;
+  p.topk = topk;
+  p.renormalize = renormalize;
+  p.routed_scaling_factor = static_cast<float>(routed_scaling_factor);
+  return p;
+}
+
+}  // namespace moeext::torch_glue

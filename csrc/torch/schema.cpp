@@ -1,0 +1,17 @@
+// Every moeext operator schema, in one place. Implementations register per dispatch key
+// elsewhere (cpu_ops.cpp, and cuda_ops.cu once the CUDA kernels exist); fakes are registered
+// from Python (python/moeext/_fake.py).
+#include <torch/library.h>
+
+TORCH_LIBRARY(moeext, m) {
+  m.def(
+      "biased_grouped_topk(Tensor gating_output, Tensor? correction_bias, "
+      "int num_expert_group, int topk_group, int topk, bool renormalize=True, "
+      "float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\") "
+      "-> (Tensor topk_weights, Tensor topk_ids)");
+  m.def(
+      "biased_grouped_topk_out(Tensor gating_output, Tensor? correction_bias, "
+      "Tensor(a!) topk_weights, Tensor(b!) topk_ids, int num_expert_group, int topk_group, "
+      "bool renormalize=True, float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\") "
+      "-> ()");
+}

@@ -1,0 +1,30 @@
+"""moeext: routing and weight-preparation kernels for Mixture-of-Experts models.
+
+Importing the package loads the native library, which registers ``torch.ops.moeext.*``
+(CPU implementations), and registers the fake (meta) implementations that let
+``torch.compile`` trace every op.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension that links against it)
+
+from . import _C  # registers torch.ops.moeext.*
+from . import _fake  # noqa: F401  (registers the fakes)
+from . import reference
+from .ops import (
+    biased_grouped_topk,
+    biased_grouped_topk_out,
+    build_info,
+    cpu_isa,
+    set_cpu_isa,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "biased_grouped_topk",
+    "biased_grouped_topk_out",
+    "build_info",
+    "cpu_isa",
+    "reference",
+    "set_cpu_isa",
+]

@@ -1,0 +1,127 @@
+"""Typed Python wrappers of ``torch.ops.moeext.*``.
+
+The wrappers add nothing but names, defaults and documentation: each is one call into the
+registered op, so they trace under ``torch.compile(fullgraph=True)`` exactly like the op.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+
+__all__ = [
+    "biased_grouped_topk",
+    "biased_grouped_topk_out",
+    "build_info",
+    "cpu_isa",
+    "set_cpu_isa",
+]
+
+
+def biased_grouped_topk(
+    gating_output: torch.Tensor,
+    correction_bias: Optional[torch.Tensor],
+    num_expert_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Biased grouped top-k routing (DeepSeek-V3 style), SPEC.md section 1.
+
+    For each token, with every value in fp32:
+
+    1. ``s = score(logits)`` with ``scoring_func`` one of ``"sigmoid"``,
+       ``"sqrtsoftplus"`` (``sqrt(softplus(x))``) or ``"softmax"`` (over the row).
+    2. ``b = s + correction_bias`` (``b = s`` without a bias); NaN in ``b`` counts as -inf.
+    3. The experts form ``num_expert_group`` contiguous groups. A group scores the sum of its
+       two largest ``b`` with a bias, its largest ``b`` without one. The ``topk_group`` best
+       groups are kept (ties: lower group index).
+    4. The ``topk`` experts with the largest ``b`` inside the kept groups are chosen (ties:
+       lower expert index; -inf/NaN rank last but still yield distinct, in-group ids).
+    5. Weights are the unbiased scores ``s`` of the chosen experts (NaN gives 0), divided by
+       their sum + 1e-20 if ``renormalize``, then multiplied by ``routed_scaling_factor``.
+
+    Args:
+        gating_output: ``[num_tokens, num_experts]`` router logits, float32, bfloat16 or
+            float16. Any strides; ``num_tokens`` may be 0.
+        correction_bias: ``[num_experts]`` float32, bfloat16 or float16 (any of them, whatever
+            the logits dtype: it is read as it is, never cast per call), or ``None``.
+        num_expert_group: number of expert groups; must divide ``num_experts``.
+        topk_group: groups kept per token, ``1 <= topk_group <= num_expert_group``.
+        topk: experts chosen per token, at most ``topk_group * num_experts / num_expert_group``.
+        renormalize: divide the chosen weights by their sum.
+        routed_scaling_factor: multiplies every weight (after renormalisation).
+        scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
+
+    Returns:
+        ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` float32 and int32, each row in
+        descending ``b`` order (ties by lower id).
+
+    Raises:
+        RuntimeError: naming the offending argument, for any input outside the contract
+        (shape, dtype, device, topology, scoring function).
+    """
+    return torch.ops.moeext.biased_grouped_topk(
+        gating_output,
+        correction_bias,
+        num_expert_group,
+        topk_group,
+        topk,
+        renormalize,
+        routed_scaling_factor,
+        scoring_func,
+    )
+
+
+def biased_grouped_topk_out(
+    gating_output: torch.Tensor,
+    correction_bias: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+) -> None:
+    """In-place form of :func:`biased_grouped_topk` writing into preallocated outputs.
+
+    ``topk`` is ``topk_ids.size(1)``. ``topk_weights`` (float32) and ``topk_ids`` (int32)
+    are ``[num_tokens, topk]`` with contiguous columns and any row stride, e.g. the first
+    ``topk`` columns of a wider persistent buffer whose other columns hold shared experts:
+    nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
+    nothing is written at all.
+    """
+    torch.ops.moeext.biased_grouped_topk_out(
+        gating_output,
+        correction_bias,
+        topk_weights,
+        topk_ids,
+        num_expert_group,
+        topk_group,
+        renormalize,
+        routed_scaling_factor,
+        scoring_func,
+    )
+
+
+def build_info() -> dict:
+    """What this build contains: backends, CPU instruction-set paths, torch version."""
+    return _C.build_info()
+
+
+def cpu_isa() -> str:
+    """The instruction-set path the CPU kernels use now (``"avx512"`` or ``"scalar"``)."""
+    return _C.cpu_isa()
+
+
+def set_cpu_isa(isa: str) -> None:
+    """Forces the CPU kernels onto ``"scalar"`` or ``"avx512"``; ``"auto"`` picks the best.
+
+    The environment variable ``MOEEXT_CPU_ISA`` does the same at import time. Raises
+    ValueError if this build or this CPU lacks the path.
+    """
+    _C.set_cpu_isa(isa)

@@ -1,0 +1,79 @@
+"""Builds moeext._C with CMake + Ninja against the torch installed in this environment.
+
+Environment:
+  MAX_JOBS            parallel compile jobs (default: all cores)
+  MOEEXT_BUILD_TYPE   CMake build type (default Release)
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised only by a broken install command
+    raise SystemExit(
+        "moeext builds against the torch already installed, and none is importable here.\n"
+        "Install torch first (CPU build: pip install torch==2.13.0), then build without\n"
+        "isolation so pip does not fetch a different torch: pip install --no-build-isolation ."
+    ) from exc
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
+        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        build_type = os.environ.get("MOEEXT_BUILD_TYPE", "Release")
+        cmake_args = [
+            "-G", "Ninja",
+            f"-DCMAKE_BUILD_TYPE={build_type}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+        ]
+        try:
+            import ninja
+
+            cmake_args.append(f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}")
+        except ImportError:
+            pass
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+        subprocess.run(["cmake", str(ROOT), *cmake_args], cwd=build_dir, check=True)
+        subprocess.run(
+            ["cmake", "--build", ".", "--target", "_C", "-j", jobs], cwd=build_dir, check=True
+        )
+
+
+torch_version = torch.__version__.split("+")[0]
+
+setup(
+    name="moeext",
+    version="0.1.0",
+    description="Routing and weight-preparation kernels for Mixture-of-Experts models",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[CMakeExtension("moeext._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    # The binary is built against this torch's C++ ABI; the installed torch (whatever its
+    # local build tag, +cpu or +cuXXX) already satisfies the pin, so nothing is downloaded.
+    install_requires=[f"torch=={torch_version}"],
+    extras_require={"test": ["pytest", "hypothesis", "numpy"]},
+    zip_safe=False,
+)
