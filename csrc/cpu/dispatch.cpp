@@ -80,11 +80,13 @@ const char* cpu_isa_name(CpuIsa isa) {
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin,
                              int64_t row_end) {
   if (row_begin >= row_end) return;
-  // Four float rows of num_experts (padded to whole 16-lane vectors), then the key arrays.
+  // Four float rows of num_experts (padded to whole 16-lane vectors), the key arrays, the
+  // kept groups' expert ranges.
   const int64_t padded = (p.num_experts + 15) / 16 * 16;
   const int64_t floats = 4 * padded;
   const int64_t keys = p.topk_group + p.topk;
-  const int64_t bytes = floats * int64_t(sizeof(float)) + keys * int64_t(sizeof(uint64_t));
+  const int64_t bytes = floats * int64_t(sizeof(float)) + keys * int64_t(sizeof(uint64_t)) +
+                        p.topk_group * int64_t(sizeof(cpu::ExpertRange));
   // Decode-sized calls (the common case) stay on the stack: no allocation per call.
   alignas(64) unsigned char stack_buffer[24 * 1024];
   std::unique_ptr<unsigned char[]> heap_buffer;
@@ -95,8 +97,9 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   }
   float* f = reinterpret_cast<float*>(buffer);
   uint64_t* k = reinterpret_cast<uint64_t*>(buffer + floats * sizeof(float));
-  const cpu::GroupedTopkWorkspace ws{f, f + padded, f + 2 * padded, f + 3 * padded, k,
-                                     k + p.topk_group};
+  cpu::ExpertRange* ranges = reinterpret_cast<cpu::ExpertRange*>(k + keys);
+  const cpu::GroupedTopkWorkspace ws{f,  f + padded,          f + 2 * padded, f + 3 * padded,
+                                     k,  k + p.topk_group,    ranges};
 
   switch (cpu_isa_active()) {
     case CpuIsa::kAvx512:

@@ -136,19 +136,49 @@ inline float group_score(const float* b, int64_t size, bool top2_sum) {
   return std::isnan(sum) ? kNegInf : sum;
 }
 
-// Step 4 over experts [begin, end): offers every expert that can still enter the top k.
-inline void scan_experts(const float* b, int64_t begin, int64_t end, uint64_t* keys,
-                         int64_t& count, int64_t k) {
-  for (int64_t e = begin; e < end; e += W) {
-    auto m = Vec::tail_mask(end - e);
-    const Vec x = Vec::load(b + e, m, kNegInf);
-    if (count == k) {
-      // Values equal to the k-th may still win on a lower index: >= , then the exact key.
-      m &= Vec::cmp_ge(x, Vec::set1(b[key_index(keys[k - 1])]));
+// Step 4. A first pass keeps, lane by lane, the two largest values over the candidate
+// ranges; those are distinct experts, so the k-th largest of them bounds the k-th largest
+// candidate from below. The second pass offers only lanes at or above that bound (and, once k
+// keys are held, at or above the current k-th) to the branchy insertion: about k + a few
+// insertions per row instead of k * ln(E / k).
+inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                             int64_t k) {
+  if (k > 2 * W) return kNegInf;
+  Vec first = Vec::set1(kNegInf);
+  Vec second = Vec::set1(kNegInf);
+  for (int64_t r = 0; r < num_ranges; ++r) {
+    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
+      const Vec x = Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf);
+      second = Vec::max(second, Vec::min(first, x));
+      first = Vec::max(first, x);
     }
-    for (uint32_t bits = m; bits != 0; bits &= bits - 1) {
-      const int64_t expert = e + __builtin_ctz(bits);
-      topk_insert(keys, count, k, make_key(b[expert], expert));
+  }
+  if (k <= W) return Vec::kth_largest(first, int(k));
+  // All W lanes of `first` are >= their minimum: with the (k - W) best of `second`, that
+  // makes k distinct experts at or above the smaller of the two.
+  const float rest = Vec::kth_largest(second, int(k - W));
+  const float lowest_first = Vec::reduce_min(first);
+  return rest < lowest_first ? rest : lowest_first;
+}
+
+inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                           uint64_t* keys, int64_t k) {
+  const float floor = candidate_floor(b, ranges, num_ranges, k);
+  int64_t count = 0;
+  for (int64_t r = 0; r < num_ranges; ++r) {
+    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
+      const Vec x = Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf);
+      float bound = floor;
+      if (count == k) {
+        const float kth = b[key_index(keys[k - 1])];
+        bound = kth > bound ? kth : bound;
+      }
+      // >= : a value equal to the bound may still win on a lower index.
+      auto m = Vec::tail_mask(ranges[r].end - e) & Vec::cmp_ge(x, Vec::set1(bound));
+      for (uint32_t bits = m; bits != 0; bits &= bits - 1) {
+        const int64_t expert = e + __builtin_ctz(bits);
+        topk_insert(keys, count, k, make_key(b[expert], expert));
+      }
     }
   }
 }
@@ -176,9 +206,9 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       score_row<kScore, LogitT, BiasT>(row, bias, num_experts, ws.scores, ws.biased);
     }
 
-    int64_t count = 0;
     if (all_groups_kept) {
-      scan_experts(ws.biased, 0, num_experts, ws.expert_keys, count, topk);
+      const ExpertRange all{0, num_experts};
+      select_experts(ws.biased, &all, 1, ws.expert_keys, topk);
     } else {
       int64_t kept = 0;
       for (int64_t g = 0; g < num_groups; ++g) {
@@ -187,9 +217,9 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       }
       for (int64_t i = 0; i < kept; ++i) {
         const int64_t g = key_index(ws.group_keys[i]);
-        scan_experts(ws.biased, g * group_size, (g + 1) * group_size, ws.expert_keys, count,
-                     topk);
+        ws.ranges[i] = ExpertRange{g * group_size, (g + 1) * group_size};
       }
+      select_experts(ws.biased, ws.ranges, kept, ws.expert_keys, topk);
     }
 
     float* weights = p.topk_weights + t * p.weights_row_stride;

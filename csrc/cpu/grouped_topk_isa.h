@@ -7,6 +7,11 @@
 
 namespace moeext::cpu {
 
+// Experts [begin, end) of one kept group.
+struct ExpertRange {
+  int64_t begin, end;
+};
+
 // Per-thread scratch, sized by grouped_topk_workspace_floats(); the kernel allocates nothing.
 struct GroupedTopkWorkspace {
   float* scores;           // [num_experts] unbiased scores s of the current row
@@ -15,6 +20,7 @@ struct GroupedTopkWorkspace {
   float* bias;             // [num_experts] the bias widened to fp32, for a strided bias
   uint64_t* group_keys;    // [topk_group]
   uint64_t* expert_keys;   // [topk]
+  ExpertRange* ranges;     // [topk_group]
 };
 
 #define MOEEXT_DECLARE_GROUPED_TOPK(isa)                                                  \

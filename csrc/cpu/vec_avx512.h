@@ -10,6 +10,31 @@
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 
+// Compare-exchange partners and "keep the minimum" lanes of the ten steps of a 16-lane
+// bitonic sorting network (ascending), built at compile time.
+struct BitonicTables {
+  alignas(64) int partner[10][16];
+  uint16_t take_min[10];
+};
+constexpr BitonicTables make_bitonic_tables() {
+  BitonicTables t{};
+  int step = 0;
+  for (int block = 2; block <= 16; block *= 2) {
+    for (int stride = block / 2; stride > 0; stride /= 2, ++step) {
+      unsigned take_min = 0;
+      for (int i = 0; i < 16; ++i) {
+        t.partner[step][i] = i ^ stride;
+        const bool lower = (i & stride) == 0;
+        const bool ascending = (i & block) == 0;
+        if (lower == ascending) take_min |= 1u << i;
+      }
+      t.take_min[step] = uint16_t(take_min);
+    }
+  }
+  return t;
+}
+inline constexpr BitonicTables kBitonic = make_bitonic_tables();
+
 struct Vec {
   static constexpr int kWidth = 16;
   using Mask = __mmask16;
@@ -60,6 +85,20 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }
 
   static float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+  static float reduce_min(Vec a) { return _mm512_reduce_min_ps(a.v); }
+  // The k-th largest lane (1 <= k <= 16) of a vector holding no NaN: the ten steps of a
+  // bitonic sorting network in registers (ascending), then lane 16 - k.
+  static float kth_largest(Vec a, int k) {
+    __m512 x = a.v;
+    for (int step = 0; step < 10; ++step) {
+      const __m512 y = _mm512_permutexvar_ps(_mm512_load_si512(kBitonic.partner[step]), x);
+      x = _mm512_mask_blend_ps(__mmask16(kBitonic.take_min[step]), _mm512_max_ps(x, y), _mm512_min_ps(x, y));
+    }
+    alignas(64) float sorted[16];
+    _mm512_store_ps(sorted, x);
+    return sorted[16 - k];
+  }
+
   static float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 };
 

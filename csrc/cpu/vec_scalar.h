@@ -57,6 +57,8 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }
 
   static float reduce_max(Vec a) { return a.v; }
+  static float reduce_min(Vec a) { return a.v; }
+  static float kth_largest(Vec a, int /*k == 1*/) { return a.v; }
   static float reduce_add(Vec a) { return a.v; }
 };
 
