@@ -1,24 +1,61 @@
 """Fake (meta) implementations of every moeext op, in one place.
 
 They give output shapes and dtypes without computing anything, so ``torch.compile`` and
-``torch.export`` can trace the ops with symbolic sizes.
+``torch.export`` can trace the ops with symbolic sizes. They reject what the kernels reject,
+with the same words (csrc/torch/params.cpp), so an error surfaces at trace time too.
 """
 
 import torch
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
+
+
+def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group,
+                        topk, scoring_func):
+    torch._check(
+        gating_output.dim() == 2,
+        lambda: f"{op}: gating_output must be 2-D [num_tokens, num_experts], got shape "
+        f"{list(gating_output.shape)}",
+    )
+    torch._check(gating_output.dtype in _FLOAT_DTYPES,
+                 lambda: f"{op}: gating_output must be float32, bfloat16 or float16, got "
+                 f"{gating_output.dtype}")
+    num_experts = gating_output.shape[1]
+    torch._check(num_expert_group >= 1,
+                 lambda: f"{op}: num_expert_group must be >= 1, got {num_expert_group}")
+    torch._check(num_experts % num_expert_group == 0,
+                 lambda: f"{op}: num_expert_group ({num_expert_group}) must divide the number "
+                 f"of experts ({num_experts})")
+    torch._check(1 <= topk_group <= num_expert_group,
+                 lambda: f"{op}: topk_group must be in [1, num_expert_group = "
+                 f"{num_expert_group}], got {topk_group}")
+    per_group = num_experts // num_expert_group
+    torch._check(topk >= 1, lambda: f"{op}: topk must be >= 1, got {topk}")
+    torch._check(topk <= topk_group * per_group,
+                 lambda: f"{op}: topk ({topk}) exceeds the experts in the kept groups "
+                 f"(topk_group {topk_group} x {per_group} per group)")
+    if correction_bias is not None:
+        torch._check(correction_bias.dim() == 1 and correction_bias.shape[0] == num_experts,
+                     lambda: f"{op}: correction_bias must have shape [{num_experts}], got "
+                     f"{list(correction_bias.shape)}")
+        torch._check(correction_bias.dtype in _FLOAT_DTYPES,
+                     lambda: f"{op}: correction_bias must be float32, bfloat16 or float16, "
+                     f"got {correction_bias.dtype}")
+        torch._check(correction_bias.device == gating_output.device,
+                     lambda: f"{op}: correction_bias is on {correction_bias.device} but "
+                     f"gating_output is on {gating_output.device}")
+    torch._check(scoring_func in _SCORING_FUNCS,
+                 lambda: f"{op}: scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax', "
+                 f"got '{scoring_func}'")
+
 
 @torch.library.register_fake("moeext::biased_grouped_topk")
-def _biased_grouped_topk_fake(
-    gating_output,
-    correction_bias,
-    num_expert_group,
-    topk_group,
-    topk,
-    renormalize=True,
-    routed_scaling_factor=1.0,
-    scoring_func="sigmoid",
-):
-    torch._check(gating_output.dim() == 2, lambda: "gating_output must be 2-D")
+def _biased_grouped_topk_fake(gating_output, correction_bias, num_expert_group, topk_group,
+                              topk, renormalize=True, routed_scaling_factor=1.0,
+                              scoring_func="sigmoid"):
+    _check_grouped_topk("biased_grouped_topk", gating_output, correction_bias,
+                        num_expert_group, topk_group, topk, scoring_func)
     num_tokens = gating_output.shape[0]
     weights = gating_output.new_empty((num_tokens, topk), dtype=torch.float32)
     ids = gating_output.new_empty((num_tokens, topk), dtype=torch.int32)
@@ -26,15 +63,23 @@ def _biased_grouped_topk_fake(
 
 
 @torch.library.register_fake("moeext::biased_grouped_topk_out")
-def _biased_grouped_topk_out_fake(
-    gating_output,
-    correction_bias,
-    topk_weights,
-    topk_ids,
-    num_expert_group,
-    topk_group,
-    renormalize=True,
-    routed_scaling_factor=1.0,
-    scoring_func="sigmoid",
-):
+def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, topk_ids,
+                                  num_expert_group, topk_group, renormalize=True,
+                                  routed_scaling_factor=1.0, scoring_func="sigmoid"):
+    op = "biased_grouped_topk_out"
+    torch._check(topk_ids.dim() == 2,
+                 lambda: f"{op}: topk_ids must be 2-D [num_tokens, topk], got {topk_ids.dim()}-D")
+    topk = topk_ids.shape[1]
+    _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group, topk,
+                        scoring_func)
+    for name, out, dtype in (("topk_weights", topk_weights, torch.float32),
+                             ("topk_ids", topk_ids, torch.int32)):
+        torch._check(out.dtype == dtype, lambda: f"{op}: {name} must be {dtype}, got {out.dtype}")
+        torch._check(out.device == gating_output.device,
+                     lambda: f"{op}: {name} is on {out.device} but gating_output is on "
+                     f"{gating_output.device}")
+        torch._check(out.dim() == 2 and out.shape[0] == gating_output.shape[0]
+                     and out.shape[1] == topk,
+                     lambda: f"{op}: {name} must have shape [{gating_output.shape[0]}, {topk}], "
+                     f"got {list(out.shape)}")
     return None

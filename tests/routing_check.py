@@ -1,0 +1,94 @@
+"""Comparison of a routing result with moeext.reference, shared by the routing tests.
+
+Ids are compared exactly, in order. The one allowance: two implementations of exp agree to
+about 1 ulp, not bit for bit, so two experts whose biased scores lie within a few ulps can
+swap. A row may differ from the reference only where the reference's biased scores of the
+two choices are within ``near_tie`` of each other and *not* exactly equal (exact ties must
+follow the tie rule), and such rows must be rare. ``strict=True`` allows no difference at all.
+"""
+
+import torch
+
+from moeext import reference
+
+
+def _kept_experts(b, bias, num_expert_group, topk_group):
+    """Experts of every group whose score is within reach of the kept groups' threshold."""
+    num_tokens, num_experts = b.shape
+    group_size = num_experts // num_expert_group
+    grouped = b.view(num_tokens, num_expert_group, group_size)
+    if bias is not None and group_size > 1:
+        scores = grouped.topk(2, dim=-1).values.sum(-1)
+    else:
+        scores = grouped.amax(-1)
+    scores = torch.where(torch.isnan(scores), torch.full_like(scores, float("-inf")), scores)
+    threshold = scores.sort(dim=-1, descending=True).values[:, topk_group - 1 : topk_group]
+    near = (scores >= threshold - 1e-5) | (scores == threshold)
+    return near.repeat_interleave(group_size, dim=1)
+
+
+def assert_routing_matches(
+    weights,
+    ids,
+    gating_output,
+    correction_bias,
+    num_expert_group,
+    topk_group,
+    topk,
+    renormalize=True,
+    routed_scaling_factor=1.0,
+    scoring_func="sigmoid",
+    strict=False,
+    near_tie=2e-6,
+):
+    num_tokens, num_experts = gating_output.shape
+    assert weights.shape == (num_tokens, topk) and weights.dtype == torch.float32
+    assert ids.shape == (num_tokens, topk) and ids.dtype == torch.int32
+    weights, ids = weights.cpu(), ids.cpu()
+    gating_output = gating_output.cpu()
+    correction_bias = None if correction_bias is None else correction_bias.cpu()
+
+    ref_w, ref_ids = reference.biased_grouped_topk(
+        gating_output, correction_bias, num_expert_group, topk_group, topk, renormalize,
+        routed_scaling_factor, scoring_func,
+    )
+    # Always true, whatever the scores: distinct ids, in range, inside groups that can be kept.
+    ids64 = ids.long()
+    assert bool(((ids64 >= 0) & (ids64 < num_experts)).all()), "expert id out of range"
+    if topk > 1:
+        sorted_ids = ids64.sort(dim=-1).values
+        assert bool((sorted_ids[:, 1:] != sorted_ids[:, :-1]).all()), "duplicate expert id"
+
+    differing = (ids != ref_ids).any(dim=-1)
+    if strict:
+        bad = differing.nonzero().flatten()[:5].tolist()
+        assert not bool(differing.any()), (
+            f"ids differ from the reference in rows {bad}: got {ids[bad].tolist()}, "
+            f"expected {ref_ids[bad].tolist()}"
+        )
+    elif bool(differing.any()):
+        s, b = reference.routing_scores(gating_output, correction_bias, scoring_func)
+        kept = _kept_experts(b, correction_bias, num_expert_group, topk_group)
+        rows = differing.nonzero().flatten()
+        assert len(rows) <= 2 + num_tokens // 100, f"{len(rows)} of {num_tokens} rows differ"
+        for r in rows.tolist():
+            got_b, ref_b = b[r, ids64[r]], b[r, ref_ids[r].long()]
+            swapped = ids[r] != ref_ids[r]
+            assert bool(kept[r, ids64[r]].all()), f"row {r}: an id outside the kept groups"
+            assert torch.allclose(got_b, ref_b, rtol=0, atol=near_tie * max(1.0, ref_b.abs().max().item())), (
+                f"row {r}: ids {ids[r].tolist()} vs reference {ref_ids[r].tolist()} "
+                f"are not a near tie (b {got_b.tolist()} vs {ref_b.tolist()})"
+            )
+            assert not bool((got_b[swapped] == ref_b[swapped]).all()), (
+                f"row {r}: exact tie broken against the rule: {ids[r].tolist()} vs "
+                f"{ref_ids[r].tolist()}"
+            )
+        # Weights of differing rows are checked against the reference for the ids chosen.
+        ref_w = ref_w.clone()
+        for r in rows.tolist():
+            w = s[r, ids64[r]]
+            w = torch.where(torch.isnan(w), torch.zeros_like(w), w)
+            if renormalize:
+                w = w / (w.sum() + 1e-20)
+            ref_w[r] = w * routed_scaling_factor
+    torch.testing.assert_close(weights, ref_w, rtol=2e-5, atol=1e-6, equal_nan=True)

@@ -1,0 +1,80 @@
+"""torch.library.opcheck and torch.compile(fullgraph=True) for every op."""
+
+import pytest
+import torch
+
+import moeext
+from conftest import DEVICES
+from moeext.presets import PRESETS
+
+
+def _routing_inputs(num_tokens, device, logits_dtype=torch.bfloat16, bias_dtype=torch.float32):
+    g = torch.Generator().manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, 256, generator=g).to(logits_dtype).to(device)
+    bias = (2 + 0.05 * torch.randn(256, generator=g)).to(bias_dtype).to(device)
+    return logits, bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("num_tokens", [0, 1, 33])
+def test_opcheck_biased_grouped_topk(device, num_tokens, with_bias):
+    logits, bias = _routing_inputs(num_tokens, device)
+    bias = bias if with_bias else None
+    torch.library.opcheck(torch.ops.moeext.biased_grouped_topk.default,
+                          (logits, bias, 8, 4, 8, True, 2.5, "sigmoid"))
+    weights = torch.empty(num_tokens, 10, device=device)[:, :8]
+    ids = torch.empty(num_tokens, 10, dtype=torch.int32, device=device)[:, :8]
+    torch.library.opcheck(torch.ops.moeext.biased_grouped_topk_out.default,
+                          (logits, bias, weights, ids, 8, 4, True, 2.5, "sqrtsoftplus"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2", "deepseek-v4-pro"])
+def test_compile_fullgraph_dynamic_tokens(device, preset):
+    torch._dynamo.reset()
+    p = PRESETS[preset]
+
+    def route(logits, bias):
+        # Some surrounding work, as in a model's forward, so the op sits inside a graph.
+        weights, ids = moeext.biased_grouped_topk(logits * 1.0, bias, **p.op_kwargs())
+        return weights * 2, ids
+
+    compiled = torch.compile(route, fullgraph=True, dynamic=True)
+    for num_tokens in (3, 17, 64, 1):
+        g = torch.Generator().manual_seed(num_tokens)
+        logits = torch.randn(num_tokens, p.num_experts, generator=g).bfloat16().to(device)
+        bias = torch.randn(p.num_experts, generator=g).to(device) if p.has_bias else None
+        expected = route(logits, bias)
+        got = compiled(logits, bias)
+        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[0], expected[0])
+
+
+def test_compile_out_form_into_persistent_buffer():
+    torch._dynamo.reset()
+    weights_buf = torch.zeros(64, 9)
+    ids_buf = torch.zeros(64, 9, dtype=torch.int32)
+
+    def route(logits, bias):
+        n = logits.shape[0]
+        moeext.biased_grouped_topk_out(logits, bias, weights_buf[:n, :8], ids_buf[:n, :8], 8, 4,
+                                       True, 2.5)
+        return weights_buf[:n, :8].sum(-1)
+
+    compiled = torch.compile(route, fullgraph=True, dynamic=True)
+    logits, bias = _routing_inputs(20, "cpu")
+    total = compiled(logits, bias)
+    expected_w, expected_ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8, True, 2.5)
+    assert torch.equal(ids_buf[:20, :8], expected_ids)
+    torch.testing.assert_close(total, expected_w.sum(-1))
+    assert bool((weights_buf[:, 8] == 0).all()) and bool((ids_buf[20:] == 0).all())
+
+
+def test_fake_rejects_what_the_kernel_rejects():
+    logits = torch.empty(4, 64, device="meta")
+    with pytest.raises(RuntimeError, match=r"topk \(33\) exceeds the experts"):
+        moeext.biased_grouped_topk(logits, None, 8, 4, 33)
+    weights, ids = moeext.biased_grouped_topk(logits, torch.empty(64, device="meta"), 8, 4, 8)
+    assert weights.shape == (4, 8) and weights.dtype == torch.float32
+    assert ids.shape == (4, 8) and ids.dtype == torch.int32

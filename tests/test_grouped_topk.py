@@ -1,0 +1,337 @@
+"""moeext.biased_grouped_topk against moeext.reference (SPEC.md section 1)."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moeext
+from conftest import DEVICES
+from moeext.presets import PRESETS
+from routing_check import assert_routing_matches
+
+FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_inputs(num_tokens, num_experts, logits_dtype, bias_dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(logits_dtype)
+    bias = None
+    if bias_dtype is not None:
+        # DeepSeek-V3's released biases sit around +2: the regime where rounding b to bf16
+        # would change the choice, so it is the one worth testing.
+        bias = (2.0 + 0.05 * torch.randn(num_experts, generator=g)).to(bias_dtype)
+        bias = bias.to(device)
+    return logits.to(device), bias
+
+
+def run_and_check(logits, bias, strict=False, **kw):
+    weights, ids = moeext.biased_grouped_topk(logits, bias, **kw)
+    assert weights.device == logits.device and ids.device == logits.device
+    assert_routing_matches(weights, ids, logits, bias, strict=strict, **kw)
+    return weights, ids
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 64, 1031])
+@pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets(cpu_isa, device, preset, logits_dtype, num_tokens):
+    p = PRESETS[preset]
+    bias_dtypes = FLOAT_DTYPES if p.has_bias else [None]
+    for i, bias_dtype in enumerate(bias_dtypes):
+        logits, bias = make_inputs(num_tokens, p.num_experts, logits_dtype, bias_dtype,
+                                   seed=num_tokens + i, device=device)
+        run_and_check(logits, bias, **p.op_kwargs())
+
+
+TOPOLOGIES = [
+    # num_experts, num_expert_group, topk_group, topk
+    (1, 1, 1, 1),
+    (7, 7, 3, 2),  # groups of one expert
+    (7, 1, 1, 7),  # every expert chosen
+    (48, 4, 2, 5),
+    (64, 16, 16, 16),  # every group kept
+    (160, 8, 3, 6),
+    (200, 20, 7, 33),  # topk beyond 2 vector widths: the general path
+    (256, 8, 1, 32),  # topk == the kept group's size
+    (1000, 8, 4, 17),
+    (1024, 16, 4, 32),
+    (1024, 1, 1, 32),
+    (1024, 32, 8, 64),
+]
+
+
+@pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
+def test_topologies(cpu_isa, topology, with_bias, scoring_func):
+    num_experts, num_expert_group, topk_group, topk = topology
+    for renormalize in (True, False):
+        logits, bias = make_inputs(97, num_experts, torch.float32,
+                                   torch.float32 if with_bias else None, seed=num_experts)
+        run_and_check(logits, bias, num_expert_group=num_expert_group, topk_group=topk_group,
+                      topk=topk, renormalize=renormalize, routed_scaling_factor=1.7,
+                      scoring_func=scoring_func)
+
+
+@pytest.mark.parametrize("layout", ["column_stride_2", "transposed", "row_slice"])
+@pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
+def test_non_contiguous(cpu_isa, layout, logits_dtype):
+    num_tokens, num_experts = 77, 256
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2 * num_tokens, 2 * num_experts, generator=g).to(logits_dtype)
+    if layout == "column_stride_2":
+        logits = base[:num_tokens, ::2]
+    elif layout == "transposed":
+        logits = torch.randn(num_experts, num_tokens, generator=g).to(logits_dtype).t()
+    else:
+        logits = base[1::2, 3 : 3 + num_experts]
+    assert not logits.is_contiguous()
+    bias = (2 + 0.05 * torch.randn(2 * num_experts, generator=g))[::2]  # strided bias too
+    run_and_check(logits, bias, num_expert_group=8, topk_group=4, topk=8,
+                  routed_scaling_factor=2.5)
+    run_and_check(logits, bias.contiguous().bfloat16(), num_expert_group=8, topk_group=4,
+                  topk=8, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 5, 300])
+def test_out_into_wider_buffer(cpu_isa, num_tokens):
+    """The _out form writes the first topk columns of a persistent buffer, nothing else."""
+    topk, extra = 8, 3
+    logits, bias = make_inputs(num_tokens, 256, torch.bfloat16, torch.float32, seed=11)
+    weights_buf = torch.full((num_tokens, topk + extra), -7.0)
+    ids_buf = torch.full((num_tokens, topk + extra), -7, dtype=torch.int32)
+    weights, ids = weights_buf[:, :topk], ids_buf[:, :topk]
+    moeext.biased_grouped_topk_out(logits, bias, weights, ids, 8, 4, True, 2.5)
+    assert bool((weights_buf[:, topk:] == -7.0).all())
+    assert bool((ids_buf[:, topk:] == -7).all())
+    expected_w, expected_ids = moeext.biased_grouped_topk(logits, bias, 8, 4, topk, True, 2.5)
+    assert torch.equal(ids, expected_ids)
+    assert torch.equal(weights, expected_w)
+    assert_routing_matches(weights, ids, logits, bias, 8, 4, topk, True, 2.5)
+
+
+def test_ties_follow_the_rule(cpu_isa):
+    """Exact ties: lower group index, then lower expert index; output ties by lower id."""
+    num_tokens, num_experts = 16, 64
+    # Every score equal: the first topk_group groups are kept and the first experts chosen.
+    for bias in (None, torch.zeros(num_experts), torch.full((num_experts,), 2.0).bfloat16()):
+        logits = torch.zeros(num_tokens, num_experts)
+        w, ids = moeext.biased_grouped_topk(logits, bias, 8, 3, 5)
+        assert ids.tolist() == [[0, 1, 2, 3, 4]] * num_tokens
+        torch.testing.assert_close(w, torch.full((num_tokens, 5), 0.2))
+    # Values from a tiny set: ties everywhere, inside and across groups.
+    g = torch.Generator().manual_seed(5)
+    for dtype in FLOAT_DTYPES:
+        logits = torch.randint(-2, 3, (500, num_experts), generator=g).to(dtype)
+        bias = torch.randint(0, 2, (num_experts,), generator=g).float()
+        for scoring_func in moeext.reference.SCORING_FUNCS:
+            for b in (bias, None):
+                run_and_check(logits, b, strict=True, num_expert_group=8, topk_group=3,
+                              topk=9, scoring_func=scoring_func)
+
+
+def test_duplicated_group_maximum_counts_twice():
+    # Group 0: [5, 5, 0, 0] scores 10; group 1: [9, 0, 0, 0] scores 9: group 0 is kept.
+    bias = torch.tensor([5.0, 5, 0, 0, 9, 0, 0, 0])
+    logits = torch.full((1, 8), -30.0)  # sigmoid ~ 0: b is the bias
+    _, ids = moeext.biased_grouped_topk(logits, bias, 2, 1, 2)
+    assert ids.tolist() == [[0, 1]]
+
+
+def test_weights_come_from_unbiased_scores():
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    bias = torch.tensor([3.0, 0.0, 2.0, 0.0])
+    w, ids = moeext.biased_grouped_topk(logits, bias, 1, 1, 2, renormalize=False)
+    assert ids.tolist() == [[0, 2]]
+    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[0.0, -1.0]])))
+
+
+@pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
+@pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
+def test_nan_and_inf_rows(cpu_isa, scoring_func, logits_dtype):
+    num_experts, num_expert_group, topk_group, topk = 256, 8, 4, 8
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, num_experts, generator=g)
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3, 100:140] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 200:] = float("-inf")
+    logits[6] = float("inf")
+    logits[7, ::2] = float("nan")
+    logits[7, 1::2] = float("-inf")
+    logits[8, :250] = float("nan")  # six finite experts left, all in the last group
+    logits = logits.to(logits_dtype)
+    bias = 2.0 + 0.05 * torch.randn(num_experts, generator=g)
+    for b in (bias, None):
+        kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
+                  routed_scaling_factor=2.5, scoring_func=scoring_func)
+        w, ids = run_and_check(logits, b, **kw)
+        if scoring_func != "sqrtsoftplus":  # sqrt(softplus(+inf)) is inf: inf/inf is NaN
+            assert bool(torch.isfinite(w).all())
+        # All-NaN (row 0) and all -inf (row 4): everything ties, so ids follow index order.
+        ref_w, ref_ids = moeext.reference.biased_grouped_topk(logits, b, **kw)
+        for row in (0, 4, 7):
+            assert ids[row].tolist() == ref_ids[row].tolist()
+        assert ids[0].tolist() == list(range(topk))
+
+
+def test_bias_dtype_is_read_without_casting(cpu_isa):
+    """No aten cast or copy runs for a bias or logits of another dtype (SPEC: no cast pass)."""
+    logits, bias = make_inputs(64, 256, torch.bfloat16, torch.float16)
+    moeext.biased_grouped_topk(logits, bias, 8, 4, 8)  # warm up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    names = {e.name for e in prof.events()}
+    assert "moeext::biased_grouped_topk" in names
+    assert not names & {"aten::to", "aten::_to_copy", "aten::copy_", "aten::contiguous"}, names
+
+
+def test_threaded_and_single_thread_agree():
+    logits, bias = make_inputs(4099, 256, torch.float32, torch.float32, seed=21)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    finally:
+        torch.set_num_threads(threads)
+    multi = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    assert torch.equal(single[1], multi[1]) and torch.equal(single[0], multi[0])
+
+
+# ---------------------------------------------------------------------------------------
+# Invalid arguments: a clear error naming the argument, and nothing written.
+# ---------------------------------------------------------------------------------------
+
+def _valid_args():
+    logits, bias = make_inputs(4, 64, torch.float32, torch.float32)
+    return dict(gating_output=logits, correction_bias=bias, num_expert_group=8, topk_group=4,
+                topk=8, renormalize=True, routed_scaling_factor=1.0, scoring_func="sigmoid")
+
+
+INVALID = [
+    (dict(gating_output=torch.zeros(64)), "gating_output must be 2-D"),
+    (dict(gating_output=torch.zeros(2, 4, 64)), "gating_output must be 2-D"),
+    (dict(gating_output=torch.zeros(4, 64, dtype=torch.float64)), "gating_output must be float32"),
+    (dict(gating_output=torch.zeros(4, 64, dtype=torch.int32)), "gating_output must be float32"),
+    (dict(num_expert_group=7), "num_expert_group (7) must divide the number of experts (64)"),
+    (dict(num_expert_group=0), "num_expert_group must be >= 1"),
+    (dict(topk_group=0), "topk_group must be in [1, num_expert_group = 8], got 0"),
+    (dict(topk_group=9), "topk_group must be in [1, num_expert_group = 8], got 9"),
+    (dict(topk=0), "topk must be >= 1"),
+    (dict(topk=33), "topk (33) exceeds the experts in the kept groups (topk_group 4 x 8 per group)"),
+    (dict(correction_bias=torch.zeros(63)), "correction_bias must have shape [64]"),
+    (dict(correction_bias=torch.zeros(1, 64)), "correction_bias must have shape [64]"),
+    (dict(correction_bias=torch.zeros(64, dtype=torch.float64)), "correction_bias must be float32"),
+    (dict(scoring_func="relu"), "scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax'"),
+    (dict(correction_bias=torch.zeros(64, device="meta")), "correction_bias is on meta"),
+]
+
+
+@pytest.mark.parametrize("change,message", INVALID, ids=[m for _, m in INVALID])
+def test_invalid_arguments(change, message):
+    args = _valid_args()
+    args.update(change)
+    with pytest.raises(RuntimeError, match=_literal(message)):
+        moeext.biased_grouped_topk(**args)
+    # The _out form rejects the same inputs and leaves its outputs untouched.
+    if args["gating_output"].dim() == 2 and args["topk"] >= 1:
+        num_tokens = args["gating_output"].shape[0]
+        weights = torch.full((num_tokens, args["topk"]), -3.0)
+        ids = torch.full((num_tokens, args["topk"]), -3, dtype=torch.int32)
+        out_args = {k: v for k, v in args.items() if k != "topk"}
+        with pytest.raises(RuntimeError, match=_literal(message)):
+            moeext.biased_grouped_topk_out(topk_weights=weights, topk_ids=ids, **out_args)
+        assert bool((weights == -3.0).all()) and bool((ids == -3).all())
+
+
+INVALID_OUT = [
+    (dict(topk_weights=torch.zeros(4, 8, dtype=torch.float64)), "topk_weights must be Float"),
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int64)), "topk_ids must be Int"),
+    (dict(topk_weights=torch.zeros(5, 8)), "topk_weights must have shape [4, 8]"),
+    (dict(topk_weights=torch.zeros(4, 7)), "topk_weights must have shape [4, 8]"),
+    (dict(topk_ids=torch.zeros(8, dtype=torch.int32)), "topk_ids must be 2-D"),
+    (dict(topk_weights=torch.zeros(8, 4).t()), "topk_weights must have contiguous columns"),
+    (dict(topk_weights=torch.zeros(4, 33), topk_ids=torch.zeros(4, 33, dtype=torch.int32)),
+     "topk (33) exceeds the experts in the kept groups"),
+]
+
+
+@pytest.mark.parametrize("change,message", INVALID_OUT, ids=[m for _, m in INVALID_OUT])
+def test_invalid_out_arguments(change, message):
+    args = _valid_args()
+    del args["topk"]
+    out = dict(topk_weights=torch.full((4, 8), -3.0),
+               topk_ids=torch.full((4, 8), -3, dtype=torch.int32))
+    out.update(change)
+    with pytest.raises(RuntimeError, match=_literal(message)):
+        moeext.biased_grouped_topk_out(**args, **out)
+    for t in out.values():
+        assert bool((t == -3).all()) or bool((t == 0).all())
+
+
+def _literal(message):
+    import re
+
+    return re.escape(message)
+
+
+# ---------------------------------------------------------------------------------------
+# Property-based: random topologies, dtypes, strides and values against the reference.
+# ---------------------------------------------------------------------------------------
+
+@st.composite
+def routing_problems(draw):
+    num_expert_group = draw(st.integers(1, 16))
+    group_size = draw(st.integers(1, 40))
+    num_experts = num_expert_group * group_size
+    topk_group = draw(st.integers(1, num_expert_group))
+    topk = draw(st.integers(1, min(40, topk_group * group_size)))
+    num_tokens = draw(st.integers(0, 40))
+    logits_dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    bias_dtype = draw(st.sampled_from(FLOAT_DTYPES + [None]))
+    scoring_func = draw(st.sampled_from(moeext.reference.SCORING_FUNCS))
+    renormalize = draw(st.booleans())
+    scale = draw(st.sampled_from([1.0, 2.5, 0.3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    special = draw(st.sampled_from(["none", "nan", "inf", "ties"]))
+    transpose = draw(st.booleans())
+    return (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype,
+            bias_dtype, scoring_func, renormalize, scale, seed, special, transpose)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=routing_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
+def test_property_matches_reference(problem, isa):
+    (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_dtype,
+     scoring_func, renormalize, scale, seed, special, transpose) = problem
+    if isa == "avx512" and moeext.build_info()["cpu_isa_best"] != "avx512":
+        isa = "scalar"
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g) * 3
+    if special == "nan":
+        logits[torch.rand(logits.shape, generator=g) < 0.2] = float("nan")
+    elif special == "inf":
+        logits[torch.rand(logits.shape, generator=g) < 0.1] = float("inf")
+        logits[torch.rand(logits.shape, generator=g) < 0.1] = float("-inf")
+    elif special == "ties":
+        logits = logits.round()
+    logits = logits.to(logits_dtype)
+    if transpose:
+        logits = logits.t().contiguous().t()
+    bias = None
+    if bias_dtype is not None:
+        bias = torch.randn(num_experts, generator=g)
+        bias = (bias.round() if special == "ties" else bias).to(bias_dtype)
+    previous = moeext.cpu_isa()
+    moeext.set_cpu_isa(isa)
+    try:
+        w, ids = moeext.biased_grouped_topk(logits, bias, num_expert_group, topk_group, topk,
+                                            renormalize, scale, scoring_func)
+    finally:
+        moeext.set_cpu_isa(previous)
+    assert_routing_matches(w, ids, logits, bias, num_expert_group, topk_group, topk,
+                           renormalize, scale, scoring_func)
