@@ -46,7 +46,8 @@ def test_environment_forces_the_portable_path():
 def test_every_op_has_one_schema_and_a_fake():
     schema = (ROOT / "csrc" / "torch" / "schema.cpp").read_text()
     fakes = (ROOT / "python" / "moeext" / "_fake.py").read_text()
-    for name in ("biased_grouped_topk", "biased_grouped_topk_out"):
+    for name in ("biased_grouped_topk", "biased_grouped_topk_out", "zero_tail_",
+                 "zero_tail_tracked_"):
         assert f'"{name}(' in schema
         assert f'"moeext::{name}"' in fakes
         assert hasattr(torch.ops.moeext, name)

@@ -78,3 +78,31 @@ def test_fake_rejects_what_the_kernel_rejects():
     weights, ids = moeext.biased_grouped_topk(logits, torch.empty(64, device="meta"), 8, 4, 8)
     assert weights.shape == (4, 8) and weights.dtype == torch.float32
     assert ids.shape == (4, 8) and ids.dtype == torch.int32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_zero_tail(device):
+    for dtype in (torch.int32, torch.bfloat16, torch.uint8):
+        buf = torch.ones(12, 3, device=device).to(dtype)
+        torch.library.opcheck(torch.ops.moeext.zero_tail_.default, (buf, 2, 9))
+        torch.library.opcheck(torch.ops.moeext.zero_tail_.default, (buf, 9, 2))
+        state = torch.tensor([11], dtype=torch.int64, device=device)
+        torch.library.opcheck(torch.ops.moeext.zero_tail_tracked_.default, (buf, state, 4))
+
+
+def test_compile_zero_tail():
+    torch._dynamo.reset()
+    buf = torch.ones(32, 4, dtype=torch.int32)
+    state = torch.tensor([32], dtype=torch.int64)
+
+    def step(n, values):
+        moeext.zero_tail_tracked_(buf, state, n)
+        buf[:n] = values
+        moeext.zero_tail_(buf, n, n)  # no-op
+        return buf.sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for n in (20, 5, 9):
+        total = compiled(n, torch.full((n, 4), 2, dtype=torch.int32))
+        assert int(state) == n
+        assert int(total) == 8 * n and int(buf[n:].count_nonzero()) == 0

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "moeext/grouped_topk.h"
+#include "moeext/zero_tail.h"
 #include "torch/params.h"
 
 namespace moeext::torch_glue {
@@ -54,11 +55,40 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_impl_cpu(
   return {topk_weights, topk_ids};
 }
 
+// Zeroing streams at memory speed: below ~1 MiB a second thread costs more than it saves.
+void zero_rows_parallel(const ZeroRowsParams& p) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, p.row_bytes));
+  at::parallel_for(p.row_begin, p.row_end, grain, [&](int64_t begin, int64_t end) {
+    zero_rows_cpu(p, begin, end);
+  });
+}
+
+void zero_tail_cpu(const at::Tensor& buf, int64_t new_extent, int64_t prev_extent) {
+  constexpr const char* op = "zero_tail_";
+  check_cpu(buf, op, "buf");
+  zero_rows_parallel(make_zero_tail_params(buf, new_extent, prev_extent, op));
+}
+
+void zero_tail_tracked_cpu(const at::Tensor& buf, const at::Tensor& state, int64_t new_extent) {
+  constexpr const char* op = "zero_tail_tracked_";
+  check_cpu(buf, op, "buf");
+  check_zero_tail_state(buf, state, op);
+  TORCH_CHECK(new_extent >= 0, op, ": new_extent must be >= 0, got ", new_extent);
+  int64_t* stored = state.data_ptr<int64_t>();
+  // A negative stored extent cannot be rejected on a device without a host sync, so every
+  // backend reads it as 0.
+  const int64_t prev_extent = std::max<int64_t>(0, *stored);
+  zero_rows_parallel(make_zero_tail_params(buf, new_extent, prev_extent, op));
+  *stored = new_extent;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moeext, CPU, m) {
   m.impl("biased_grouped_topk", &biased_grouped_topk_impl_cpu);
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_cpu);
+  m.impl("zero_tail_", &zero_tail_cpu);
+  m.impl("zero_tail_tracked_", &zero_tail_tracked_cpu);
 }
 
 }  // namespace moeext::torch_glue

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace moeext::torch_glue {
@@ -117,6 +118,37 @@ BiasedGroupedTopkParams make_grouped_topk_params(
   p.renormalize = renormalize;
   p.routed_scaling_factor = static_cast<float>(routed_scaling_factor);
   return p;
+}
+
+ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
+                                     int64_t prev_extent, const char* op) {
+  TORCH_CHECK(new_extent >= 0, op, ": new_extent must be >= 0, got ", new_extent);
+  TORCH_CHECK(prev_extent >= 0, op, ": prev_extent must be >= 0, got ", prev_extent);
+  TORCH_CHECK(buf.dim() >= 1, op, ": buf must have at least one dimension, got a 0-d tensor");
+  // Rows (everything past dim 0) must be dense so a row is one byte range.
+  int64_t expected = 1;
+  for (int64_t d = buf.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(buf.size(d) == 1 || buf.stride(d) == expected, op,
+                ": buf must have contiguous rows (any stride along dim 0), got sizes ",
+                buf.sizes(), " and strides ", buf.strides());
+    expected *= buf.size(d);
+  }
+  ZeroRowsParams p;
+  const int64_t rows = buf.size(0);
+  p.data = buf.data_ptr();
+  p.row_bytes = expected * int64_t(buf.element_size());
+  p.row_stride = buf.stride(0) * int64_t(buf.element_size());
+  p.row_begin = std::min(new_extent, rows);
+  p.row_end = std::min(prev_extent, rows);
+  return p;
+}
+
+void check_zero_tail_state(const at::Tensor& buf, const at::Tensor& state, const char* op) {
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 1, op,
+              ": state must hold one int64 (the previous extent), got ", state.scalar_type(),
+              " with ", state.numel(), " elements");
+  TORCH_CHECK(state.device() == buf.device(), op, ": state is on ", state.device(),
+              " but buf is on ", buf.device());
 }
 
 }  // namespace moeext::torch_glue

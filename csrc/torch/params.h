@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "moeext/grouped_topk.h"
+#include "moeext/zero_tail.h"
 
 namespace moeext::torch_glue {
 
@@ -27,5 +28,13 @@ BiasedGroupedTopkParams make_grouped_topk_params(
     const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t num_expert_group,
     int64_t topk_group, bool renormalize, double routed_scaling_factor,
     std::string_view scoring_func, const char* op);
+
+// Checks buf (rows along dim 0 must each be one contiguous byte range) and the extents,
+// and describes rows [new_extent, min(prev_extent, buf.size(0))) for zeroing.
+ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
+                                     int64_t prev_extent, const char* op);
+
+// Checks the state tensor of the tracked form: one int64 element on buf's device.
+void check_zero_tail_state(const at::Tensor& buf, const at::Tensor& state, const char* op);
 
 }  // namespace moeext::torch_glue

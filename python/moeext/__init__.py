@@ -16,11 +16,15 @@ from .ops import (
     build_info,
     cpu_isa,
     set_cpu_isa,
+    zero_tail_,
+    zero_tail_tracked_,
 )
+from .buffers import PersistentBuffers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PersistentBuffers",
     "biased_grouped_topk",
     "biased_grouped_topk_out",
     "build_info",
@@ -28,4 +32,6 @@ __all__ = [
     "presets",
     "reference",
     "set_cpu_isa",
+    "zero_tail_",
+    "zero_tail_tracked_",
 ]

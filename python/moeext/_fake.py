@@ -83,3 +83,26 @@ def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, 
                      lambda: f"{op}: {name} must have shape [{gating_output.shape[0]}, {topk}], "
                      f"got {list(out.shape)}")
     return None
+
+
+def _check_extent(op, name, value):
+    torch._check(value >= 0, lambda: f"{op}: {name} must be >= 0, got {value}")
+
+
+@torch.library.register_fake("moeext::zero_tail_")
+def _zero_tail_fake(buf, new_extent, prev_extent):
+    _check_extent("zero_tail_", "new_extent", new_extent)
+    _check_extent("zero_tail_", "prev_extent", prev_extent)
+    return None
+
+
+@torch.library.register_fake("moeext::zero_tail_tracked_")
+def _zero_tail_tracked_fake(buf, state, new_extent):
+    op = "zero_tail_tracked_"
+    _check_extent(op, "new_extent", new_extent)
+    torch._check(state.dtype == torch.int64 and state.numel() == 1,
+                 lambda: f"{op}: state must hold one int64 (the previous extent), got "
+                 f"{state.dtype} with {state.numel()} elements")
+    torch._check(state.device == buf.device,
+                 lambda: f"{op}: state is on {state.device} but buf is on {buf.device}")
+    return None

@@ -16,6 +16,8 @@ __all__ = [
     "build_info",
     "cpu_isa",
     "set_cpu_isa",
+    "zero_tail_",
+    "zero_tail_tracked_",
 ]
 
 
@@ -106,6 +108,35 @@ def biased_grouped_topk_out(
         routed_scaling_factor,
         scoring_func,
     )
+
+
+def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
+    """Zeroes rows ``[new_extent, prev_extent)`` of ``buf`` along dim 0, and nothing else.
+
+    Replaces a full ``buf.fill_(0)`` of a persistent buffer whose readers only look below
+    the current extent, as long as the buffer started zeroed: only the tail a previous,
+    larger step left behind needs clearing. Extents beyond ``buf.size(0)`` are clamped; a
+    no-op when ``prev_extent <= new_extent``.
+
+    Args:
+        buf: any dtype (1-byte and packed types included), at least 1-D, rows (dims 1..)
+            contiguous, any stride along dim 0.
+        new_extent, prev_extent: row counts, >= 0 (a negative one raises RuntimeError).
+    """
+    torch.ops.moeext.zero_tail_(buf, new_extent, prev_extent)
+
+
+def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) -> None:
+    """:func:`zero_tail_` with the previous extent kept in a tensor instead of a Python int.
+
+    Reads the previous extent from ``state`` (one int64 on ``buf``'s device), zeroes rows
+    ``[new_extent, previous)`` of ``buf`` and stores ``new_extent`` into ``state``. Because
+    the previous extent is read from memory when the op runs, a captured CUDA graph replays
+    correctly whatever batch ran before it. Start ``state`` at 0 with a zeroed buffer. A
+    negative value found in ``state`` is read as 0 (a device cannot reject it without a
+    host sync).
+    """
+    torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
 
 
 def build_info() -> dict:

@@ -8,7 +8,8 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["biased_grouped_topk", "routing_scores", "SCORING_FUNCS"]
+__all__ = ["biased_grouped_topk", "routing_scores", "SCORING_FUNCS", "zero_tail_",
+           "zero_tail_tracked_"]
 
 SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
@@ -82,3 +83,20 @@ def biased_grouped_topk(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
+    """Reference for ``moeext.zero_tail_`` (SPEC.md section 4)."""
+    if new_extent < 0 or prev_extent < 0:
+        raise RuntimeError("zero_tail_: extents must be >= 0")
+    end = min(prev_extent, buf.shape[0])
+    if new_extent < end:
+        # Byte view: fp4/fp8 storage types have no fill kernel, and zero bytes are zero.
+        target = buf.view(torch.uint8) if buf.element_size() == 1 else buf
+        target[new_extent:end] = 0
+
+
+def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) -> None:
+    """Reference for ``moeext.zero_tail_tracked_``: the previous extent lives in ``state``."""
+    zero_tail_(buf, new_extent, max(0, int(state.item())))
+    state.fill_(new_extent)

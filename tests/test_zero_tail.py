@@ -1,0 +1,157 @@
+"""moeext.zero_tail_ / zero_tail_tracked_ / PersistentBuffers (SPEC.md section 4)."""
+
+import random
+
+import pytest
+import torch
+
+import moeext
+from conftest import DEVICES
+
+DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.uint8, torch.int8,
+          torch.float8_e4m3fn, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu, torch.bool]
+
+
+def _sentinel(shape, dtype, device="cpu"):
+    """A buffer whose every byte is 0x5A: any write shows, for packed dtypes too."""
+    if dtype == torch.bool:  # only 0 and 1 are valid bool bytes
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.full(shape, 0x5A, dtype=torch.uint8, device=device).view(dtype) \
+        if dtype.itemsize == 1 else torch.full(shape, 7, dtype=dtype, device=device)
+
+
+def _as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37,), (37, 5), (37, 3, 4)])
+def test_zeroes_exactly_the_tail(device, dtype, shape):
+    for new_extent, prev_extent in [(10, 20), (0, 37), (5, 100), (20, 10), (7, 7), (0, 0),
+                                    (40, 50), (36, 37)]:
+        buf = _sentinel(shape, dtype, device)
+        expected = buf.clone()
+        moeext.reference.zero_tail_(expected, new_extent, prev_extent)
+        moeext.zero_tail_(buf, new_extent, prev_extent)
+        assert torch.equal(_as_bytes(buf), _as_bytes(expected)), (new_extent, prev_extent)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_along_dim0(device):
+    base = torch.full((40, 8), 3, dtype=torch.int32, device=device)
+    buf = base[::2, :5]  # rows 2 apart, first 5 columns of each
+    assert not buf.is_contiguous()
+    moeext.zero_tail_(buf, 4, 15)
+    expected = torch.full((40, 8), 3, dtype=torch.int32, device=device)
+    expected[8:30:2, :5] = 0
+    assert torch.equal(base, expected)
+
+
+def test_large_buffer_in_parallel():
+    buf = torch.ones(1 << 22, dtype=torch.int32)  # 16 MiB: several parallel chunks
+    moeext.zero_tail_(buf, 1000, 3_000_001)
+    assert int(buf[:1000].sum()) == 1000
+    assert int(buf[1000:3_000_001].count_nonzero()) == 0
+    assert int(buf[3_000_001:].sum()) == buf.numel() - 3_000_001
+
+
+def _replay(sequence, rows, tracked):
+    """Runs a decode loop: shrink-tail clearing vs a full fill each step, same writes."""
+    buf = torch.zeros(rows, 3, dtype=torch.int32)
+    full = torch.zeros(rows, 3, dtype=torch.int32)
+    state = torch.zeros(1, dtype=torch.int64)
+    prev = 0
+    high_water = 0
+    for step, extent in enumerate(sequence):
+        # Rows at or beyond the previous extent (and the high-water mark) are never written:
+        # mark them so a stray write would show.
+        guard_from = min(max(prev, extent), rows)
+        if guard_from < rows and high_water <= guard_from:
+            buf[guard_from:] = 0
+        before = buf[max(prev, extent):].clone()
+        if tracked:
+            moeext.zero_tail_tracked_(buf, state, extent)
+            assert int(state.item()) == extent
+        else:
+            moeext.zero_tail_(buf, extent, prev)
+        assert torch.equal(buf[max(prev, extent):], before), "wrote at/after the previous extent"
+        full.fill_(0)
+        payload = torch.arange(step * 1000, step * 1000 + 3 * min(extent, rows),
+                               dtype=torch.int32).view(-1, 3)
+        buf[:extent] = payload
+        full[:extent] = payload
+        assert torch.equal(buf, full), f"step {step}: extents {sequence[:step + 1]}"
+        high_water = max(high_water, min(extent, rows))
+        prev = extent
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_any_sequence_matches_full_fill(tracked):
+    rng = random.Random(0)
+    _replay([8, 8, 3, 20, 0, 0, 5, 64, 100, 2, 64, 1], 64, tracked)
+    for _ in range(50):
+        sequence = [rng.choice([0, 1, rng.randrange(0, 80), 64, 70]) for _ in range(30)]
+        _replay(sequence, 64, tracked)
+
+
+def test_tracked_agrees_with_plain_form():
+    rng = random.Random(1)
+    for _ in range(20):
+        a = torch.randint(1, 9, (50, 4), dtype=torch.int16)
+        b = a.clone()
+        state = torch.zeros(1, dtype=torch.int64)
+        prev = 0
+        for _ in range(25):
+            extent = rng.randrange(0, 60)
+            moeext.zero_tail_(a, extent, prev)
+            moeext.zero_tail_tracked_(b, state, extent)
+            assert torch.equal(a, b)
+            a[:extent] = b[:extent] = rng.randrange(1, 100)
+            prev = extent
+
+
+def test_tracked_state_shapes_and_negative_state():
+    buf = torch.ones(10, dtype=torch.int32)
+    state = torch.tensor(7, dtype=torch.int64)  # 0-d is fine too
+    moeext.zero_tail_tracked_(buf, state, 2)
+    assert buf.tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 1, 1] and int(state) == 2
+    state.fill_(-5)  # read as 0: nothing to zero
+    moeext.zero_tail_tracked_(buf, state, 1)
+    assert buf.tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 1, 1] and int(state) == 1
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda b, s: moeext.zero_tail_(b, -1, 3), "new_extent must be >= 0, got -1"),
+    (lambda b, s: moeext.zero_tail_(b, 1, -3), "prev_extent must be >= 0, got -3"),
+    (lambda b, s: moeext.zero_tail_(torch.tensor(5), 0, 3), "buf must have at least one dimension"),
+    (lambda b, s: moeext.zero_tail_(torch.ones(8, 6)[:, ::2], 0, 3), "buf must have contiguous rows"),
+    (lambda b, s: moeext.zero_tail_tracked_(b, s, -2), "new_extent must be >= 0, got -2"),
+    (lambda b, s: moeext.zero_tail_tracked_(b, s.int(), 0), "state must hold one int64"),
+    (lambda b, s: moeext.zero_tail_tracked_(b, torch.zeros(2, dtype=torch.int64), 0),
+     "state must hold one int64"),
+])
+def test_invalid_arguments_write_nothing(call, message):
+    buf = torch.ones(8, 6, dtype=torch.int32)
+    state = torch.tensor([8], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(buf, state)
+    assert bool((buf == 1).all()) and int(state) == 8
+
+
+def test_persistent_buffers():
+    bufs = moeext.PersistentBuffers()
+    ids = bufs.allocate("req_ids", (16,), torch.int32)
+    kv = bufs.allocate("kv_indices", (16, 4), torch.int64)
+    assert "req_ids" in bufs and bufs["kv_indices"] is kv
+    for extent in (10, 4, 12, 0, 16, 3):
+        bufs.set_extent("req_ids", extent)
+        bufs.set_extent("kv_indices", extent)
+        assert int(ids[extent:].count_nonzero()) == 0 and int(kv[extent:].count_nonzero()) == 0
+        assert bufs.extent("req_ids") == extent
+        ids[:extent] = 9
+        kv[:extent] = 9
+    with pytest.raises(ValueError, match="new_extent must be >= 0"):
+        bufs.set_extent("req_ids", -1)
+    with pytest.raises(ValueError, match="exists"):
+        bufs.allocate("req_ids", (4,), torch.int32)
