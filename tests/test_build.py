@@ -47,7 +47,8 @@ def test_every_op_has_one_schema_and_a_fake():
     schema = (ROOT / "csrc" / "torch" / "schema.cpp").read_text()
     fakes = (ROOT / "python" / "moeext" / "_fake.py").read_text()
     for name in ("biased_grouped_topk", "biased_grouped_topk_out", "zero_tail_",
-                 "zero_tail_tracked_"):
+                 "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
+                 "e8m0_unshuffle"):
         assert f'"{name}(' in schema
         assert f'"moeext::{name}"' in fakes
         assert hasattr(torch.ops.moeext, name)

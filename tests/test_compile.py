@@ -106,3 +106,31 @@ def test_compile_zero_tail():
         total = compiled(n, torch.full((n, 4), 2, dtype=torch.int32))
         assert int(state) == n
         assert int(total) == 8 * n and int(buf[n:].count_nonzero()) == 0
+
+
+def test_opcheck_shuffles():
+    w = torch.randint(0, 256, (2, 32, 64), dtype=torch.uint8)
+    for gate_up in (False, True):
+        torch.library.opcheck(torch.ops.moeext.shuffle_weight.default, (w, [16, 16], gate_up))
+        torch.library.opcheck(torch.ops.moeext.unshuffle_weight.default, (w, [16, 16], gate_up))
+    torch.library.opcheck(torch.ops.moeext.shuffle_weight.default,
+                          (torch.randn(2, 32, 64).bfloat16(), [16, 16], False))
+    s = torch.randint(0, 256, (64, 12), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.moeext.e8m0_shuffle.default, (s, True, 2))
+    shuffled = moeext.e8m0_shuffle(s)
+    torch.library.opcheck(torch.ops.moeext.e8m0_unshuffle.default, (shuffled, 64, 12, False, None))
+
+
+def test_compile_shuffles():
+    torch._dynamo.reset()
+
+    def prepare(w, s):
+        return (moeext.shuffle_weight(w, (16, 16), gate_up=True),
+                moeext.e8m0_shuffle(s, gate_up=True, num_experts=w.shape[0]))
+
+    compiled = torch.compile(prepare, fullgraph=True, dynamic=True)
+    for experts in (2, 3):
+        w = torch.randint(0, 256, (experts, 64, 32), dtype=torch.uint8)
+        s = torch.randint(0, 256, (experts * 64, 1), dtype=torch.uint8)
+        got, expected = compiled(w, s), prepare(w, s)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

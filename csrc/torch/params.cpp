@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 
 namespace moeext::torch_glue {
 
@@ -149,6 +150,76 @@ void check_zero_tail_state(const at::Tensor& buf, const at::Tensor& state, const
               " with ", state.numel(), " elements");
   TORCH_CHECK(state.device() == buf.device(), op, ": state is on ", state.device(),
               " but buf is on ", buf.device());
+}
+
+ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* shuffled,
+                                               at::IntArrayRef layout, bool gate_up,
+                                               const char* op) {
+  TORCH_CHECK(logical.dim() >= 2, op, ": w must be at least 2-D [..., N, K], got shape ",
+              logical.sizes());
+  const int64_t element = logical.element_size();
+  TORCH_CHECK((element == 1 || element == 2) && !logical.is_complex(), op,
+              ": w must have a 1- or 2-byte dtype (uint8, int8, fp8, float4_e2m1fn_x2, "
+              "bfloat16, float16), got ", logical.scalar_type());
+  TORCH_CHECK(layout.size() == 2, op, ": layout must be (IN, IK), got ", layout);
+  const int64_t band = layout[0], ik = layout[1];
+  const int64_t chunk = 16 / element;  // elements in a 16-byte chunk
+  TORCH_CHECK(band >= 1 && band <= 256, op, ": layout[0] (rows per band) must be in [1, 256], got ",
+              band);
+  TORCH_CHECK(ik >= 1 && (2 * ik) % chunk == 0, op, ": layout[1] (", ik,
+              ") must make 2 * layout[1] a multiple of ", chunk, " elements (16 bytes of ",
+              logical.scalar_type(), ")");
+  const int64_t rows = logical.size(-2), k = logical.size(-1);
+  TORCH_CHECK(rows % band == 0, op, ": N (", rows, ") must be a multiple of layout[0] (", band,
+              ")");
+  TORCH_CHECK(k % (2 * ik) == 0, op, ": K (", k, ") must be a multiple of 2 * layout[1] (",
+              2 * ik, ")");
+  if (gate_up) {
+    TORCH_CHECK(logical.dim() == 3, op,
+                ": gate_up=True needs a 3-D fused weight [E, 2N, K], got shape ",
+                logical.sizes());
+    TORCH_CHECK(rows % 32 == 0, op, ": gate_up=True needs 2N (", rows,
+                ") to be a multiple of 32 (16-row gate/up blocks)");
+  }
+  TORCH_CHECK(logical.stride(-1) == 1, op, ": w must have a contiguous last dimension");
+  ShuffleWeightParams p;
+  p.logical = logical.data_ptr();
+  p.shuffled = shuffled;
+  p.rows = rows;
+  p.row_bytes = k * element;
+  p.band = band;
+  p.gate_up = gate_up;
+  p.logical_row_stride = logical.stride(-2) * element;
+  p.batch = 1;
+  for (int64_t d = 0; d + 2 < logical.dim(); ++d) p.batch *= logical.size(d);
+  p.logical_batch_stride = rows * p.logical_row_stride;
+  if (logical.dim() >= 3) p.logical_batch_stride = logical.stride(-3) * element;
+  return p;
+}
+
+void check_scale_dtype(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e8m0fnu, op, ": ",
+              arg, " must be uint8 or float8_e8m0fnu, got ", t.scalar_type());
+}
+
+E8m0ShuffleParams make_e8m0_params(int64_t m, int64_t n, bool gate_up,
+                                   std::optional<int64_t> num_experts, const char* op) {
+  E8m0ShuffleParams p;
+  p.m = m;
+  p.n = n;
+  p.padded_m = (m + 255) / 256 * 256;
+  p.padded_n = (n + 7) / 8 * 8;
+  if (gate_up) {
+    TORCH_CHECK(num_experts.has_value() && *num_experts >= 1, op,
+                ": gate_up=True needs num_experts (>= 1), got ",
+                num_experts.has_value() ? std::to_string(*num_experts) : "None");
+    TORCH_CHECK(m % *num_experts == 0 && (m / *num_experts) % 32 == 0, op,
+                ": gate_up=True needs the scale rows (", m,
+                ") to split into num_experts (", *num_experts,
+                ") groups of 2N rows with 2N a multiple of 32");
+    p.rows_per_expert = m / *num_experts;
+  }
+  return p;
 }
 
 }  // namespace moeext::torch_glue

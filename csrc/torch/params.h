@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "moeext/grouped_topk.h"
+#include "moeext/mxfp4_shuffle.h"
 #include "moeext/zero_tail.h"
 
 namespace moeext::torch_glue {
@@ -36,5 +37,17 @@ ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
 
 // Checks the state tensor of the tracked form: one int64 element on buf's device.
 void check_zero_tail_state(const at::Tensor& buf, const at::Tensor& state, const char* op);
+
+// Checks w for shuffle_weight / unshuffle_weight and describes it as [batch, rows, row_bytes]
+// with w as the logical side (its strides) and `shuffled` as the dense side.
+ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* shuffled,
+                                               at::IntArrayRef layout, bool gate_up,
+                                               const char* op);
+
+// Checks the scale matrix (shuffle) or the shuffled bytes and target shape (unshuffle).
+// Returns params with the padded shape and the gate/up grouping filled in; pointers unset.
+E8m0ShuffleParams make_e8m0_params(int64_t m, int64_t n, bool gate_up,
+                                   std::optional<int64_t> num_experts, const char* op);
+void check_scale_dtype(const at::Tensor& t, const char* op, const char* arg);
 
 }  // namespace moeext::torch_glue

@@ -16,4 +16,10 @@ TORCH_LIBRARY(moeext, m) {
       "-> ()");
   m.def("zero_tail_(Tensor(a!) buf, int new_extent, int prev_extent) -> ()");
   m.def("zero_tail_tracked_(Tensor(a!) buf, Tensor(b!) state, int new_extent) -> ()");
+  m.def("shuffle_weight(Tensor w, int[2] layout=[16, 16], bool gate_up=False) -> Tensor");
+  m.def("unshuffle_weight(Tensor w, int[2] layout=[16, 16], bool gate_up=False) -> Tensor");
+  m.def("e8m0_shuffle(Tensor scale, bool gate_up=False, int? num_experts=None) -> Tensor");
+  m.def(
+      "e8m0_unshuffle(Tensor shuffled, int m, int n, bool gate_up=False, int? num_experts=None) "
+      "-> Tensor");
 }

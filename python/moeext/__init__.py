@@ -18,6 +18,10 @@ from .ops import (
     set_cpu_isa,
     zero_tail_,
     zero_tail_tracked_,
+    shuffle_weight,
+    unshuffle_weight,
+    e8m0_shuffle,
+    e8m0_unshuffle,
 )
 from .buffers import PersistentBuffers
 
@@ -34,4 +38,8 @@ __all__ = [
     "set_cpu_isa",
     "zero_tail_",
     "zero_tail_tracked_",
+    "shuffle_weight",
+    "unshuffle_weight",
+    "e8m0_shuffle",
+    "e8m0_unshuffle",
 ]

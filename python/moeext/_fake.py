@@ -106,3 +106,63 @@ def _zero_tail_tracked_fake(buf, state, new_extent):
     torch._check(state.device == buf.device,
                  lambda: f"{op}: state is on {state.device} but buf is on {buf.device}")
     return None
+
+
+def _check_shuffle_weight(op, w, layout, gate_up):
+    torch._check(w.dim() >= 2, lambda: f"{op}: w must be at least 2-D [..., N, K], got shape "
+                 f"{list(w.shape)}")
+    torch._check(w.element_size() in (1, 2) and not w.is_complex(),
+                 lambda: f"{op}: w must have a 1- or 2-byte dtype, got {w.dtype}")
+    band, ik = layout
+    chunk = 16 // w.element_size()
+    torch._check(w.shape[-2] % band == 0,
+                 lambda: f"{op}: N ({w.shape[-2]}) must be a multiple of layout[0] ({band})")
+    torch._check(w.shape[-1] % (2 * ik) == 0 and (2 * ik) % chunk == 0,
+                 lambda: f"{op}: K ({w.shape[-1]}) must be a multiple of 2 * layout[1] "
+                 f"({2 * ik})")
+    if gate_up:
+        torch._check(w.dim() == 3 and w.shape[-2] % 32 == 0,
+                     lambda: f"{op}: gate_up=True needs a 3-D fused weight [E, 2N, K] with 2N "
+                     f"a multiple of 32, got shape {list(w.shape)}")
+
+
+@torch.library.register_fake("moeext::shuffle_weight")
+def _shuffle_weight_fake(w, layout=(16, 16), gate_up=False):
+    _check_shuffle_weight("shuffle_weight", w, layout, gate_up)
+    return torch.empty_like(w, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("moeext::unshuffle_weight")
+def _unshuffle_weight_fake(w, layout=(16, 16), gate_up=False):
+    _check_shuffle_weight("unshuffle_weight", w, layout, gate_up)
+    return torch.empty_like(w, memory_format=torch.contiguous_format)
+
+
+def _padded_scale_shape(m, n):
+    return (m + 255) // 256 * 256, (n + 7) // 8 * 8
+
+
+def _check_scale(op, name, t):
+    torch._check(t.dtype in (torch.uint8, torch.float8_e8m0fnu),
+                 lambda: f"{op}: {name} must be uint8 or float8_e8m0fnu, got {t.dtype}")
+
+
+@torch.library.register_fake("moeext::e8m0_shuffle")
+def _e8m0_shuffle_fake(scale, gate_up=False, num_experts=None):
+    torch._check(scale.dim() == 2, lambda: f"e8m0_shuffle: scale must be 2-D [m, n], got shape "
+                 f"{list(scale.shape)}")
+    _check_scale("e8m0_shuffle", "scale", scale)
+    if gate_up:
+        torch._check(num_experts is not None and num_experts >= 1,
+                     lambda: "e8m0_shuffle: gate_up=True needs num_experts (>= 1)")
+    return scale.new_empty(_padded_scale_shape(scale.shape[0], scale.shape[1]))
+
+
+@torch.library.register_fake("moeext::e8m0_unshuffle")
+def _e8m0_unshuffle_fake(shuffled, m, n, gate_up=False, num_experts=None):
+    _check_scale("e8m0_unshuffle", "shuffled", shuffled)
+    torch._check(tuple(shuffled.shape) == _padded_scale_shape(m, n),
+                 lambda: f"e8m0_unshuffle: shuffled must have the padded shape "
+                 f"{list(_padded_scale_shape(m, n))} of an [{m}, {n}] scale, got "
+                 f"{list(shuffled.shape)}")
+    return shuffled.new_empty((m, n))

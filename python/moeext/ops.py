@@ -18,6 +18,10 @@ __all__ = [
     "set_cpu_isa",
     "zero_tail_",
     "zero_tail_tracked_",
+    "shuffle_weight",
+    "unshuffle_weight",
+    "e8m0_shuffle",
+    "e8m0_unshuffle",
 ]
 
 
@@ -137,6 +141,63 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     host sync).
     """
     torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
+
+
+def shuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
+                   gate_up: bool = False) -> torch.Tensor:
+    """Pre-shuffles a weight into the tile layout AITER's MoE kernels read (SPEC.md 3).
+
+    Bit-exact with AITER's ``shuffle_weight(w, layout)``. For every leading index, rows form
+    bands of ``layout[0]`` (16) rows; inside a band the 16-byte chunks of each chunk column
+    are emitted as one ``16 x 16``-byte tile, row by row (nibbles are never split)::
+
+        out.flat[((n0 * (K / C) + kc) * 16 + n1) * C + j] = w[n0 * 16 + n1][kc * C + j]
+
+    with ``C = 16 / element_size`` elements per chunk.
+
+    Args:
+        w: ``[..., N, K]`` of a 1- or 2-byte dtype (uint8, int8, fp8, float4_e2m1fn_x2,
+            bfloat16, float16); any leading dims, any row/batch strides. ``N`` a multiple of
+            ``layout[0]``, ``K`` (in elements of ``w``'s dtype) of ``2 * layout[1]``.
+        layout: ``(IN, IK)`` as AITER names it; ``IK`` only enters the ``K`` check.
+        gate_up: ``w`` is a fused ``[E, 2N, K]`` gate/up weight (gate rows first): its halves
+            are first interleaved in 16-row blocks (``g0..g15, u0..u15, g16..``), as AITER's
+            ``shuffle_weight_a16w4(w, 16, gate_up=True)`` does. Needs ``2N % 32 == 0``.
+
+    Returns:
+        A new contiguous tensor of ``w``'s shape and dtype.
+    """
+    return torch.ops.moeext.shuffle_weight(w, list(layout), gate_up)
+
+
+def unshuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
+                     gate_up: bool = False) -> torch.Tensor:
+    """Exact inverse of :func:`shuffle_weight` with the same ``layout`` and ``gate_up``."""
+    return torch.ops.moeext.unshuffle_weight(w, list(layout), gate_up)
+
+
+def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False,
+                 num_experts: Optional[int] = None) -> torch.Tensor:
+    """Shuffles E8M0 block scales into AITER's layout (bit-exact with ``e8m0_shuffle``).
+
+    ``scale [m, n]`` (uint8 or float8_e8m0fnu, any strides) is padded to
+    ``[ceil(m / 256) * 256, ceil(n / 8) * 8]`` with 0x7F (scale 1.0; AITER leaves padding
+    uninitialised), then every 32-row x 8-column group becomes one contiguous 256-byte
+    block::
+
+        out.flat[a*32*sn + d*256 + f*64 + c4*4 + e*2 + h] = padded[a*32 + h*16 + c4][d*8 + e*4 + f]
+
+    ``gate_up=True`` first interleaves gate and up rows in 16-row blocks inside each expert's
+    rows, as AITER's ``shuffle_scale_a16w4(s, num_experts, gate_up=True)``; it needs
+    ``num_experts`` and ``m / num_experts`` a multiple of 32.
+    """
+    return torch.ops.moeext.e8m0_shuffle(scale, gate_up, num_experts)
+
+
+def e8m0_unshuffle(shuffled: torch.Tensor, m: int, n: int, gate_up: bool = False,
+                   num_experts: Optional[int] = None) -> torch.Tensor:
+    """Inverse of :func:`e8m0_shuffle`: the original ``[m, n]`` scales, padding dropped."""
+    return torch.ops.moeext.e8m0_unshuffle(shuffled, m, n, gate_up, num_experts)
 
 
 def build_info() -> dict:

@@ -4,12 +4,14 @@ They favour being obviously right over being fast: stable sorts spell the tie ru
 every step is a separate tensor op. The tests compare every backend against them.
 """
 
+import math
 from typing import Optional, Tuple
 
 import torch
 
 __all__ = ["biased_grouped_topk", "routing_scores", "SCORING_FUNCS", "zero_tail_",
-           "zero_tail_tracked_"]
+           "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
+           "e8m0_unshuffle"]
 
 SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
@@ -100,3 +102,75 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     """Reference for ``moeext.zero_tail_tracked_``: the previous extent lives in ``state``."""
     zero_tail_(buf, new_extent, max(0, int(state.item())))
     state.fill_(new_extent)
+
+
+# --- MXFP4 weight preparation (SPEC section 3) -------------------------------------------
+# Written as views and permutes of the byte (or 16-bit) storage, the way AITER writes them:
+# fp4/fp8 storage types have no copy kernels of their own in every torch.
+
+def _as_storage_ints(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+def _gate_up_interleave(x: torch.Tensor, rows_per_group: int, inverse: bool = False):
+    """[..., G * rows_per_group, K]: 16-row blocks alternate gate half / up half per group."""
+    *lead, rows, k = x.shape
+    groups, half = rows // rows_per_group, rows_per_group // 2
+    if not inverse:
+        split = x.reshape(*lead, groups, 2, half // 16, 16, k)  # (g, gate|up, block, row)
+        return split.transpose(-4, -3).reshape(*lead, rows, k)
+    split = x.reshape(*lead, groups, half // 16, 2, 16, k)  # (g, block, gate|up, row)
+    return split.transpose(-4, -3).reshape(*lead, rows, k)
+
+
+def shuffle_weight(w: torch.Tensor, layout=(16, 16), gate_up: bool = False) -> torch.Tensor:
+    """Reference for ``moeext.shuffle_weight``."""
+    band, _ = layout
+    x = _as_storage_ints(w)
+    if gate_up:
+        x = _gate_up_interleave(x, x.shape[-2])
+    *lead, rows, k = x.shape
+    chunk = 16 // w.element_size()
+    batch = math.prod(lead)
+    tiles = x.reshape(batch, rows // band, band, k // chunk, chunk).permute(0, 1, 3, 2, 4)
+    return tiles.contiguous().view(w.shape).view(w.dtype)
+
+
+def unshuffle_weight(w: torch.Tensor, layout=(16, 16), gate_up: bool = False) -> torch.Tensor:
+    """Reference for ``moeext.unshuffle_weight``."""
+    band, _ = layout
+    x = _as_storage_ints(w.contiguous())
+    *lead, rows, k = x.shape
+    chunk = 16 // w.element_size()
+    batch = math.prod(lead)
+    x = x.reshape(batch, rows // band, k // chunk, band, chunk).permute(0, 1, 3, 2, 4)
+    x = x.contiguous().view(batch, rows, k)
+    if gate_up:
+        x = _gate_up_interleave(x, rows, inverse=True)
+    return x.reshape(w.shape).view(w.dtype)
+
+
+def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False, num_experts=None) -> torch.Tensor:
+    """Reference for ``moeext.e8m0_shuffle``."""
+    m, n = scale.shape
+    bytes_ = scale.view(torch.uint8)
+    if gate_up:
+        bytes_ = _gate_up_interleave(bytes_, m // num_experts)
+    pm, pn = (m + 255) // 256 * 256, (n + 7) // 8 * 8
+    padded = torch.full((pm, pn), 0x7F, dtype=torch.uint8)
+    padded[:m, :n] = bytes_
+    # padded[a*32 + h*16 + c4][d*8 + e*4 + f] -> (a, d, f, c4, e, h)
+    blocks = padded.view(pm // 32, 2, 16, pn // 8, 2, 4).permute(0, 3, 5, 2, 4, 1)
+    return blocks.contiguous().view(pm, pn).view(scale.dtype)
+
+
+def e8m0_unshuffle(shuffled: torch.Tensor, m: int, n: int, gate_up: bool = False,
+                   num_experts=None) -> torch.Tensor:
+    """Reference for ``moeext.e8m0_unshuffle``."""
+    pm, pn = shuffled.shape
+    blocks = shuffled.contiguous().view(torch.uint8).view(pm // 32, pn // 8, 4, 16, 2, 2)
+    padded = blocks.permute(0, 5, 3, 1, 4, 2).reshape(pm, pn)
+    out = padded[:m, :n]
+    if gate_up:
+        out = _gate_up_interleave(out, m // num_experts, inverse=True)
+    return out.contiguous().view(shuffled.dtype)

@@ -1,0 +1,123 @@
+// The MXFP4 shuffles are pure data movement: 16-byte chunks (weights) and bytes (scales).
+// 16-byte memcpy compiles to one unaligned vector load and store on every x86-64 and Arm,
+// so there is no per-ISA copy of this file. Every loop writes its output sequentially.
+#include <cstring>
+
+#include "moeext/mxfp4_shuffle.h"
+
+namespace moeext {
+namespace {
+
+constexpr int64_t kChunk = 16;
+constexpr uint8_t kPadScale = 0x7F;  // 2^0: AITER leaves pad scales uninitialised; 1.0 is never NaN
+
+// One band of band rows: all its band x 16-byte tiles. kShuffle picks the copy direction.
+template <bool kShuffle>
+void move_band(const ShuffleWeightParams& p, int64_t band_index) {
+  const int64_t bands_per_batch = p.rows / p.band;
+  const int64_t b = band_index / bands_per_batch;
+  const int64_t n0 = band_index % bands_per_batch;
+  const int64_t chunks = p.row_bytes / kChunk;
+  unsigned char* shuffled = static_cast<unsigned char*>(p.shuffled) +
+                            (b * p.rows + n0 * p.band) * p.row_bytes;
+  // Pointers to the band's logical rows, resolved once (gate/up interleave included).
+  unsigned char* rows[256];
+  for (int64_t n1 = 0; n1 < p.band; ++n1) {
+    const int64_t n = n0 * p.band + n1;
+    const int64_t src_row = p.gate_up ? gate_up_source_row(n, p.rows) : n;
+    rows[n1] = const_cast<unsigned char*>(static_cast<const unsigned char*>(p.logical)) +
+               b * p.logical_batch_stride + src_row * p.logical_row_stride;
+  }
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    for (int64_t n1 = 0; n1 < p.band; ++n1) {
+      unsigned char* tile = shuffled + (kc * p.band + n1) * kChunk;
+      unsigned char* row = rows[n1] + kc * kChunk;
+      if constexpr (kShuffle) {
+        std::memcpy(tile, row, kChunk);
+      } else {
+        std::memcpy(row, tile, kChunk);
+      }
+    }
+  }
+}
+
+// Inside one 32-row x 8-column group (a 256-byte tile, row i = h*16 + c4, column
+// j = e*4 + f), shuffled byte q = f*64 + c4*4 + e*2 + h comes from tile byte i*8 + j.
+struct TileSource {
+  uint8_t index[256];
+};
+constexpr TileSource make_tile_source() {
+  TileSource t{};
+  for (int q = 0; q < 256; ++q) {
+    const int f = q / 64, c4 = (q / 4) % 16, e = (q / 2) % 2, h = q % 2;
+    t.index[q] = uint8_t((h * 16 + c4) * 8 + e * 4 + f);
+  }
+  return t;
+}
+constexpr TileSource kTileSource = make_tile_source();
+
+// Padded row r of the (interleaved) scale matrix -> source row, or -1 for padding.
+inline int64_t scale_source_row(const E8m0ShuffleParams& p, int64_t r) {
+  if (r >= p.m) return -1;
+  return p.rows_per_expert > 0 ? gate_up_source_row(r, p.rows_per_expert) : r;
+}
+
+}  // namespace
+
+void shuffle_weight_cpu(const ShuffleWeightParams& p, int64_t band_begin, int64_t band_end) {
+  for (int64_t i = band_begin; i < band_end; ++i) move_band<true>(p, i);
+}
+
+void unshuffle_weight_cpu(const ShuffleWeightParams& p, int64_t band_begin, int64_t band_end) {
+  for (int64_t i = band_begin; i < band_end; ++i) move_band<false>(p, i);
+}
+
+void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t block_end) {
+  for (int64_t a = block_begin; a < block_end; ++a) {
+    const uint8_t* src_rows[32];
+    for (int64_t i = 0; i < 32; ++i) {
+      const int64_t src = scale_source_row(p, a * 32 + i);
+      src_rows[i] = src < 0 ? nullptr : p.scale + src * p.row_stride;
+    }
+    uint8_t* out = p.shuffled + a * 32 * p.padded_n;
+    for (int64_t d = 0; d < p.padded_n / 8; ++d, out += 256) {
+      uint8_t tile[256];  // [row i][column j] of this 32 x 8 group
+      const int64_t c0 = d * 8;
+      for (int64_t i = 0; i < 32; ++i) {
+        uint8_t* dst = tile + i * 8;
+        if (src_rows[i] != nullptr && c0 + 8 <= p.n && p.col_stride == 1) {
+          std::memcpy(dst, src_rows[i] + c0, 8);
+          continue;
+        }
+        for (int64_t j = 0; j < 8; ++j) {
+          const int64_t c = c0 + j;
+          dst[j] = (src_rows[i] != nullptr && c < p.n) ? src_rows[i][c * p.col_stride]
+                                                       : kPadScale;
+        }
+      }
+      for (int q = 0; q < 256; ++q) out[q] = tile[kTileSource.index[q]];
+    }
+  }
+}
+
+void e8m0_unshuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t block_end) {
+  for (int64_t a = block_begin; a < block_end; ++a) {
+    const uint8_t* in = p.shuffled_in + a * 32 * p.padded_n;
+    uint8_t* dst_rows[32];
+    for (int64_t i = 0; i < 32; ++i) {
+      const int64_t dst = scale_source_row(p, a * 32 + i);
+      dst_rows[i] = dst < 0 ? nullptr : p.unshuffled + dst * p.n;
+    }
+    for (int64_t d = 0; d < p.padded_n / 8; ++d, in += 256) {
+      uint8_t tile[256];
+      for (int q = 0; q < 256; ++q) tile[kTileSource.index[q]] = in[q];
+      const int64_t c0 = d * 8;
+      const int64_t width = p.n - c0 < 8 ? p.n - c0 : 8;
+      for (int64_t i = 0; i < 32; ++i) {
+        if (dst_rows[i] != nullptr) std::memcpy(dst_rows[i] + c0, tile + i * 8, size_t(width));
+      }
+    }
+  }
+}
+
+}  // namespace moeext

@@ -1,0 +1,181 @@
+"""shuffle_weight / unshuffle_weight / e8m0_shuffle / e8m0_unshuffle (SPEC.md section 3)."""
+
+import itertools
+
+import pytest
+import torch
+
+import moeext
+from conftest import DEVICES
+from moeext import reference
+
+WEIGHT_DTYPES = [torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2,
+                 torch.float4_e2m1fn_x2, torch.bfloat16, torch.float16]
+SCALE_DTYPES = [torch.uint8, torch.float8_e8m0fnu]
+
+
+def random_bytes(shape, dtype, seed=0, device="cpu"):
+    """Random storage bytes viewed as `dtype` (every bit pattern, NaN encodings included)."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), generator=g,
+                        dtype=torch.uint8)
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return raw.view(dtype).to(device)
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_bytes(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(as_bytes(a.cpu()), as_bytes(b.cpu()))
+
+
+# --- the references follow SPEC's index formulas literally ------------------------------
+
+def spec_shuffle_weight(w):
+    """SPEC's formula, element by element, on a small 2-D tensor (1-byte or 2-byte)."""
+    x = w.view(torch.uint8) if w.element_size() == 1 else w.view(torch.int16)
+    n_rows, k = x.shape
+    c = 16 // w.element_size()
+    out = torch.empty(n_rows * k, dtype=x.dtype)
+    for n, kk in itertools.product(range(n_rows), range(k)):
+        n0, n1, kc, j = n // 16, n % 16, kk // c, kk % c
+        out[((n0 * (k // c) + kc) * 16 + n1) * c + j] = x[n, kk]
+    return out.view(n_rows, k).view(w.dtype)
+
+
+def spec_e8m0_shuffle(scale):
+    m, n = scale.shape
+    pm, pn = (m + 255) // 256 * 256, (n + 7) // 8 * 8
+    out = torch.empty(pm * pn, dtype=torch.uint8)
+    src = scale.view(torch.uint8)
+    for r, c in itertools.product(range(pm), range(pn)):
+        a, h, c4, d, e, f = r // 32, (r // 16) % 2, r % 16, c // 8, (c // 4) % 2, c % 4
+        value = int(src[r, c]) if r < m and c < n else 0x7F
+        out[a * 32 * pn + d * 256 + f * 64 + c4 * 4 + e * 2 + h] = value
+    return out.view(pm, pn)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16], ids=str)
+def test_weight_reference_is_the_spec_formula(dtype):
+    w = random_bytes((32, 64), dtype, seed=1)
+    assert_same_bytes(reference.shuffle_weight(w), spec_shuffle_weight(w))
+
+
+def test_scale_reference_is_the_spec_formula():
+    s = random_bytes((37, 11), torch.uint8, seed=2)
+    assert_same_bytes(reference.e8m0_shuffle(s), spec_e8m0_shuffle(s))
+
+
+def test_gate_up_interleave_order():
+    """Rows g0..g15, u0..u15, g16..g31, u16..u31: checked on row ids, not via the reference."""
+    e, half, k = 2, 32, 32
+    rows = torch.arange(e * 2 * half, dtype=torch.int16).view(e, 2 * half, 1).expand(e, 2 * half, k)
+    w = rows.contiguous().view(torch.bfloat16)  # 2-byte elements holding their row id
+    shuffled = moeext.shuffle_weight(w, gate_up=True)
+    unshuffled_plain = moeext.unshuffle_weight(shuffled)  # undo the tiling only
+    order = unshuffled_plain.view(torch.int16)[0, :, 0].tolist()
+    assert order == list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + \
+        list(range(48, 64))
+
+
+# --- kernels against the reference -------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (3, 32, 64), (2, 3, 16, 128), (0, 32),
+                                   (16, 0)])
+def test_shuffle_weight(device, dtype, shape):
+    w = random_bytes(shape, dtype, seed=len(shape), device=device)
+    out = moeext.shuffle_weight(w)
+    assert out.is_contiguous()
+    assert_same_bytes(out, reference.shuffle_weight(w.cpu()))
+    assert_same_bytes(moeext.unshuffle_weight(out), w)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+def test_shuffle_weight_gate_up(dtype):
+    w = random_bytes((3, 64, 64), dtype, seed=4)
+    out = moeext.shuffle_weight(w, (16, 16), gate_up=True)
+    assert_same_bytes(out, reference.shuffle_weight(w, gate_up=True))
+    assert_same_bytes(moeext.unshuffle_weight(out, (16, 16), gate_up=True), w)
+    assert_same_bytes(reference.unshuffle_weight(out, gate_up=True), w)
+
+
+@pytest.mark.parametrize("layout", [(16, 16), (32, 16), (16, 32), (8, 64)])
+def test_shuffle_weight_layouts(layout):
+    w = random_bytes((2, 64, 128), torch.uint8, seed=5)
+    out = moeext.shuffle_weight(w, layout)
+    assert_same_bytes(out, reference.shuffle_weight(w, layout))
+    assert_same_bytes(moeext.unshuffle_weight(out, layout), w)
+
+
+def test_shuffle_weight_non_contiguous():
+    base = random_bytes((4, 80, 160), torch.uint8, seed=6)
+    for w in (base[1:3, :64, :128],        # strided rows and experts
+              base[::2, 16:48, 32:96],     # every other expert
+              base[0, :64, :64:2],  # strided last dim: copied first
+              random_bytes((3, 2, 32, 64), torch.uint8, 7).permute(1, 0, 2, 3)):  # unflattenable lead
+        assert not w.is_contiguous()
+        assert_same_bytes(moeext.shuffle_weight(w), reference.shuffle_weight(w.contiguous()))
+    shuffled = moeext.shuffle_weight(base[:, :64, :128].contiguous())
+    view = torch.cat([shuffled, shuffled], dim=-1)[..., :128]  # a non-contiguous input
+    assert_same_bytes(moeext.unshuffle_weight(view), base[:, :64, :128])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", SCALE_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 11), (256, 8), (257, 9), (512, 224), (0, 5)])
+def test_e8m0_shuffle(device, dtype, shape):
+    s = random_bytes(shape, dtype, seed=shape[0], device=device)
+    out = moeext.e8m0_shuffle(s)
+    pm, pn = (shape[0] + 255) // 256 * 256, (shape[1] + 7) // 8 * 8
+    assert out.shape == (pm, pn) and out.dtype == dtype
+    assert_same_bytes(out, reference.e8m0_shuffle(s.cpu()))
+    assert_same_bytes(moeext.e8m0_unshuffle(out, *shape), s)
+    # Padding is 0x7F (1.0), never NaN.
+    padded = moeext.e8m0_unshuffle(out, pm, pn).view(torch.uint8)
+    assert bool((padded[shape[0]:] == 0x7F).all()) and bool((padded[:, shape[1]:] == 0x7F).all())
+
+
+def test_e8m0_shuffle_gate_up_and_strides():
+    s = random_bytes((4 * 64, 20), torch.uint8, seed=8)  # 4 experts x 2N=64 rows
+    out = moeext.e8m0_shuffle(s, gate_up=True, num_experts=4)
+    assert_same_bytes(out, reference.e8m0_shuffle(s, gate_up=True, num_experts=4))
+    assert_same_bytes(moeext.e8m0_unshuffle(out, 256, 20, gate_up=True, num_experts=4), s)
+    wide = random_bytes((300, 40), torch.float8_e8m0fnu, seed=9)
+    view = wide[::2, 3:30:3]  # strided rows and columns
+    assert_same_bytes(moeext.e8m0_shuffle(view), reference.e8m0_shuffle(view.contiguous()))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: moeext.shuffle_weight(torch.zeros(32, dtype=torch.uint8)), "w must be at least 2-D"),
+    (lambda: moeext.shuffle_weight(torch.zeros(16, 32)), "w must have a 1- or 2-byte dtype"),
+    (lambda: moeext.shuffle_weight(torch.zeros(17, 32, dtype=torch.uint8)),
+     "N (17) must be a multiple of layout[0] (16)"),
+    (lambda: moeext.shuffle_weight(torch.zeros(16, 48, dtype=torch.uint8)),
+     "K (48) must be a multiple of 2 * layout[1] (32)"),
+    (lambda: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8), (16, 4)),
+     "2 * layout[1] a multiple of 16 elements"),
+    (lambda: moeext.shuffle_weight(torch.zeros(32, 32, dtype=torch.uint8), gate_up=True),
+     "gate_up=True needs a 3-D fused weight"),
+    (lambda: moeext.shuffle_weight(torch.zeros(2, 48, 32, dtype=torch.uint8), gate_up=True),
+     "gate_up=True needs 2N (48) to be a multiple of 32"),
+    (lambda: moeext.e8m0_shuffle(torch.zeros(4, 4)), "scale must be uint8 or float8_e8m0fnu"),
+    (lambda: moeext.e8m0_shuffle(torch.zeros(4, dtype=torch.uint8)), "scale must be 2-D"),
+    (lambda: moeext.e8m0_shuffle(torch.zeros(64, 4, dtype=torch.uint8), gate_up=True),
+     "gate_up=True needs num_experts"),
+    (lambda: moeext.e8m0_shuffle(torch.zeros(96, 4, dtype=torch.uint8), gate_up=True,
+                                 num_experts=2), "groups of 2N rows with 2N a multiple of 32"),
+    (lambda: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8), 300, 8),
+     "shuffled must have the padded shape [512, 8]"),
+])
+def test_invalid_arguments(call, message):
+    import re
+
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        call()
