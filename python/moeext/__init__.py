@@ -9,7 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 
 from . import _C  # registers torch.ops.moeext.*
 from . import _fake  # noqa: F401  (registers the fakes)
-from . import presets, reference
+from . import loading, mxfp4, presets, reference
 from .ops import (
     biased_grouped_topk,
     biased_grouped_topk_out,
@@ -33,6 +33,8 @@ __all__ = [
     "biased_grouped_topk_out",
     "build_info",
     "cpu_isa",
+    "loading",
+    "mxfp4",
     "presets",
     "reference",
     "set_cpu_isa",
