@@ -179,3 +179,29 @@ def test_invalid_arguments(call, message):
 
     with pytest.raises(RuntimeError, match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_quantized_weights_survive_the_round_trip(gate_up):
+    """dequantize(unshuffle(shuffle(q))) == dequantize(q), for weights and scales."""
+    from moeext import mxfp4
+
+    g = torch.Generator().manual_seed(12)
+    experts, rows, k = 3, 64, 256
+    w = torch.randn(experts, rows, k, generator=g) * torch.logspace(-3, 3, k)
+    packed, scales = mxfp4.quantize(w)  # [E, rows, k/2], [E, rows, k/32]
+    fp4 = mxfp4.as_fp4x2(packed)
+    shuffled = moeext.shuffle_weight(fp4, gate_up=gate_up)
+    assert shuffled.dtype == torch.float4_e2m1fn_x2
+    assert not torch.equal(as_bytes(shuffled), as_bytes(fp4))
+    restored = moeext.unshuffle_weight(shuffled, gate_up=gate_up)
+
+    flat_scales = mxfp4.as_e8m0(scales.reshape(experts * rows, k // 32))
+    shuffled_scales = moeext.e8m0_shuffle(flat_scales, gate_up=gate_up,
+                                          num_experts=experts if gate_up else None)
+    restored_scales = moeext.e8m0_unshuffle(shuffled_scales, experts * rows, k // 32,
+                                            gate_up=gate_up,
+                                            num_experts=experts if gate_up else None)
+    restored_scales = restored_scales.reshape(experts, rows, k // 32)
+    torch.testing.assert_close(mxfp4.dequantize(restored, restored_scales),
+                               mxfp4.dequantize(packed, scales), rtol=0, atol=0)
