@@ -1,0 +1,368 @@
+// moeext_bench: the kernels alone, through the launcher API of csrc/include/moeext/ (no
+// torch, no Python). Prints one row per case:
+//   op, backend, shape, samples, median_us, noise_%, bytes, GB/s, %peak
+// where bytes is an explicit model of the bytes each call must read and write, and peak is a
+// streaming copy measured by this binary in the same run.
+//
+//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx512] [--threads N]
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "moeext/common.h"
+#include "moeext/grouped_topk.h"
+#include "moeext/mxfp4_shuffle.h"
+#include "moeext/zero_tail.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  bool quick = false;
+  bool csv = false;
+  std::regex filter{".*"};
+};
+
+struct Case {
+  std::string op;
+  std::string shape;
+  double bytes;                    // modelled bytes read + written by one call
+  int rotations;                   // distinct input sets the calls cycle through
+  std::function<void(int)> call;   // runs one call on input set i
+};
+
+struct Result {
+  int samples;
+  double median_us;
+  double noise_pct;
+};
+
+// Last-level cache from sysfs (the highest index present), 32 MiB if unknown.
+double last_level_cache_bytes() {
+  double best = 0;
+  for (int index = 0; index < 8; ++index) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
+    std::string text;
+    if (!(f >> text)) continue;
+    double value = std::atof(text.c_str());
+    if (text.back() == 'K') value *= 1024;
+    if (text.back() == 'M') value *= 1024 * 1024;
+    best = std::max(best, value);
+  }
+  return best > 0 ? best : 32.0 * 1024 * 1024;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown CPU";
+}
+
+// Enough input sets that cycling through them touches more than twice the LLC, so large
+// cases measure memory, not a warm cache (capped: tiny cases would need thousands).
+int rotations_for(double input_bytes) {
+  const double need = 2.5 * last_level_cache_bytes() / std::max(1.0, input_bytes);
+  return std::clamp(int(need) + 1, 1, 64);
+}
+
+// Warm-up, then samples of batched calls (each sample >= ~200 us so the clock's resolution
+// is irrelevant); median and noise = (p90 - p10) / median.
+Result measure(const Case& c, const Options& opt) {
+  int next = 0;
+  auto run = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      c.call(next);
+      next = (next + 1) % c.rotations;
+    }
+  };
+  const auto warm_end = Clock::now() + std::chrono::milliseconds(opt.quick ? 20 : 100);
+  int calls = 0;
+  while (Clock::now() < warm_end || calls < 3) {
+    run(1);
+    ++calls;
+  }
+  const auto t0 = Clock::now();
+  run(3);
+  const double per_call = std::chrono::duration<double>(Clock::now() - t0).count() / 3;
+  const int batch = std::max(1, int(200e-6 / std::max(per_call, 1e-9)));
+  const int samples = opt.quick ? 5 : std::clamp(int(1.0 / (per_call * batch)), 11, 51);
+  std::vector<double> us;
+  for (int s = 0; s < samples; ++s) {
+    const auto start = Clock::now();
+    run(batch);
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count() / batch);
+  }
+  std::sort(us.begin(), us.end());
+  const double median = us[us.size() / 2];
+  const double p10 = us[us.size() / 10], p90 = us[us.size() * 9 / 10];
+  return {samples, median, 100.0 * (p90 - p10) / median};
+}
+
+// Streaming copy over 8x the LLC on all threads: the bandwidth every row is compared with.
+double measure_peak_gbs(const Options& opt) {
+  const size_t bytes = size_t(8 * last_level_cache_bytes());
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  double best = 0;
+  for (int rep = 0; rep < (opt.quick ? 3 : 8); ++rep) {
+    const auto start = Clock::now();
+#pragma omp parallel
+    {
+      const size_t parts = size_t(omp_get_num_threads());
+      const size_t part = bytes / parts, t = size_t(omp_get_thread_num());
+      std::memcpy(dst.data() + t * part, src.data() + t * part, part);
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    best = std::max(best, 2.0 * bytes / s / 1e9);
+  }
+  return best;
+}
+
+uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+struct Preset {
+  const char* name;
+  int64_t experts, groups, topk_group, topk;
+  float scale;
+  moeext::ScoringFunc scoring;
+  bool renormalize, bias;
+};
+
+const Preset kPresets[] = {
+    {"deepseek-v3", 256, 8, 4, 8, 2.5f, moeext::ScoringFunc::kSigmoid, true, true},
+    {"kimi-k2", 384, 1, 1, 8, 2.827f, moeext::ScoringFunc::kSigmoid, true, true},
+    {"glm-4.5", 160, 1, 1, 8, 2.5f, moeext::ScoringFunc::kSigmoid, true, true},
+    {"deepseek-v4-flash", 256, 1, 1, 6, 1.5f, moeext::ScoringFunc::kSqrtSoftplus, true, true},
+    {"deepseek-v4-pro", 384, 1, 1, 6, 2.5f, moeext::ScoringFunc::kSqrtSoftplus, true, true},
+    {"nemotron-style", 512, 1, 1, 22, 1.0f, moeext::ScoringFunc::kSigmoid, true, true},
+    {"deepseek-v2", 160, 8, 3, 6, 16.0f, moeext::ScoringFunc::kSoftmax, false, false},
+};
+
+// Inputs of one grouped top-k case, kept alive by the closure that uses them.
+struct TopkData {
+  std::vector<std::vector<uint16_t>> logits;  // bf16, one set per rotation
+  std::vector<float> bias;
+  std::vector<float> weights;
+  std::vector<int32_t> ids;
+};
+
+void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
+  const std::vector<int64_t> tokens = opt.quick ? std::vector<int64_t>{1, 64}
+                                                : std::vector<int64_t>{1, 16, 64, 256, 1024,
+                                                                       4096, 16384};
+  for (const Preset& preset : kPresets) {
+    for (int64_t t : tokens) {
+      auto data = std::make_shared<TopkData>();
+      const double in_bytes = double(t) * preset.experts * 2;
+      const int rot = rotations_for(in_bytes);
+      std::mt19937 gen(uint32_t(t * 7 + preset.experts));
+      std::normal_distribution<float> normal;
+      data->logits.resize(rot);
+      for (auto& set : data->logits) {
+        set.resize(size_t(t * preset.experts));
+        for (auto& v : set) v = to_bf16(normal(gen));
+      }
+      data->bias.resize(size_t(preset.experts));
+      for (auto& v : data->bias) v = 2.0f + 0.05f * normal(gen);
+      data->weights.resize(size_t(t * preset.topk));
+      data->ids.resize(size_t(t * preset.topk));
+
+      moeext::BiasedGroupedTopkParams p;
+      p.gating_dtype = moeext::DType::kBFloat16;
+      p.gating_row_stride = preset.experts;
+      p.correction_bias = preset.bias ? data->bias.data() : nullptr;
+      p.topk_weights = data->weights.data();
+      p.weights_row_stride = preset.topk;
+      p.topk_ids = data->ids.data();
+      p.ids_row_stride = preset.topk;
+      p.num_tokens = t;
+      p.num_experts = preset.experts;
+      p.num_expert_group = preset.groups;
+      p.topk_group = preset.topk_group;
+      p.topk = preset.topk;
+      p.renormalize = preset.renormalize;
+      p.routed_scaling_factor = preset.scale;
+      p.scoring_func = preset.scoring;
+      // Same split as the torch binding: ~16k expert-rows per task, decode on one thread.
+      const int64_t grain = std::max<int64_t>(1, 16384 / preset.experts);
+      const double bytes = in_bytes + (preset.bias ? preset.experts * 4.0 : 0.0) +
+                           double(t) * preset.topk * 8;
+      cases.push_back({"grouped_topk", std::string(preset.name) + " T=" + std::to_string(t),
+                       bytes, rot, [data, p, grain](int i) mutable {
+                         p.gating_output = data->logits[size_t(i)].data();
+                         const int64_t chunks = (p.num_tokens + grain - 1) / grain;
+                         if (chunks <= 1) {
+                           moeext::biased_grouped_topk_cpu(p, 0, p.num_tokens);
+                           return;
+                         }
+#pragma omp parallel for schedule(static)
+                         for (int64_t c = 0; c < chunks; ++c) {
+                           moeext::biased_grouped_topk_cpu(
+                               p, c * grain, std::min(p.num_tokens, (c + 1) * grain));
+                         }
+                       }});
+    }
+  }
+}
+
+void add_shuffles(std::vector<Case>& cases, const Options& opt) {
+  // A DeepSeek-V3-sized w13 slice: experts x [4096, 3584] packed fp4 bytes (K = 7168).
+  const int64_t experts = opt.quick ? 2 : 8, rows = 4096, row_bytes = 3584;
+  const size_t weight_bytes = size_t(experts * rows * row_bytes);
+  auto src = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0x3c);
+  auto dst = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0);
+  for (bool gate_up : {false, true}) {
+    moeext::ShuffleWeightParams p;
+    p.logical = src->data();
+    p.logical_row_stride = row_bytes;
+    p.logical_batch_stride = rows * row_bytes;
+    p.shuffled = dst->data();
+    p.batch = experts;
+    p.rows = rows;
+    p.row_bytes = row_bytes;
+    p.gate_up = gate_up;
+    const int64_t bands = experts * rows / 16;
+    cases.push_back({"shuffle_weight",
+                     std::to_string(experts) + "x[4096,3584]B" + (gate_up ? " gate_up" : ""),
+                     2.0 * double(weight_bytes), 1, [src, dst, p, bands](int) {
+#pragma omp parallel for schedule(static)
+                       for (int64_t b = 0; b < bands; ++b) moeext::shuffle_weight_cpu(p, b, b + 1);
+                     }});
+  }
+  const int64_t m = experts * rows, n = 224;  // one E8M0 scale per 32 fp4 values
+  const int64_t padded_m = (m + 255) / 256 * 256, padded_n = (n + 7) / 8 * 8;
+  auto scales = std::make_shared<std::vector<uint8_t>>(size_t(m * n), 0x7f);
+  auto shuffled = std::make_shared<std::vector<uint8_t>>(size_t(padded_m * padded_n), 0);
+  moeext::E8m0ShuffleParams sp;
+  sp.scale = scales->data();
+  sp.row_stride = n;
+  sp.m = m;
+  sp.n = n;
+  sp.padded_m = padded_m;
+  sp.padded_n = padded_n;
+  sp.shuffled = shuffled->data();
+  cases.push_back({"e8m0_shuffle", "[" + std::to_string(m) + ",224]", double(m * n + padded_m * padded_n), 1,
+                   [scales, shuffled, sp](int) {
+                     const int64_t blocks = sp.padded_m / 32;
+#pragma omp parallel for schedule(static)
+                     for (int64_t a = 0; a < blocks; ++a) moeext::e8m0_shuffle_cpu(sp, a, a + 1);
+                   }});
+}
+
+void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
+  const int64_t rows = (opt.quick ? 4 : 64) * (int64_t(1) << 20) / 4;  // int32 elements
+  auto buf = std::make_shared<std::vector<int32_t>>(size_t(rows), 0);
+  for (double tail : {0.0, 0.01, 0.10, 1.0}) {
+    moeext::ZeroRowsParams p;
+    p.data = buf->data();
+    p.row_stride = 4;
+    p.row_bytes = 4;
+    p.row_begin = rows - int64_t(double(rows) * tail);
+    p.row_end = rows;
+    const int64_t chunk = int64_t(1) << 18;  // 1 MiB of int32 per task, as in the binding
+    char shape[64];
+    std::snprintf(shape, sizeof(shape), "%lldMiB int32 tail=%g%%", (long long)(rows * 4 >> 20),
+                  tail * 100);
+    cases.push_back({"zero_tail", shape, 4.0 * double(p.row_end - p.row_begin), 1,
+                     [buf, p, chunk](int) {
+                       const int64_t chunks = (p.row_end - p.row_begin + chunk - 1) / chunk;
+                       if (chunks <= 1) {
+                         moeext::zero_rows_cpu(p, p.row_begin, p.row_end);
+                         return;
+                       }
+#pragma omp parallel for schedule(static)
+                       for (int64_t c = 0; c < chunks; ++c) {
+                         moeext::zero_rows_cpu(p, p.row_begin + c * chunk,
+                                               std::min(p.row_end, p.row_begin + (c + 1) * chunk));
+                       }
+                     }});
+  }
+}
+
+int usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [--quick] [--csv] [--filter REGEX] [--isa scalar|avx512] "
+               "[--threads N]\n",
+               argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--quick") {
+      opt.quick = true;
+    } else if (arg == "--csv") {
+      opt.csv = true;
+    } else if (arg == "--filter" && i + 1 < argc) {
+      opt.filter = std::regex(argv[++i]);
+    } else if (arg == "--isa" && i + 1 < argc) {
+      const std::string isa = argv[++i];
+      const auto want = isa == "scalar" ? moeext::CpuIsa::kScalar
+                        : isa == "avx512" ? moeext::CpuIsa::kAvx512
+                                          : moeext::CpuIsa::kAuto;
+      if (!moeext::set_cpu_isa(want)) {
+        std::fprintf(stderr, "--isa %s: not available on this CPU or build\n", isa.c_str());
+        return 2;
+      }
+    } else if (arg == "--threads" && i + 1 < argc) {
+      omp_set_num_threads(std::atoi(argv[++i]));
+    } else {
+      return usage(argv[0]);
+    }
+  }
+
+  std::vector<Case> all;
+  add_grouped_topk(all, opt);
+  add_shuffles(all, opt);
+  add_zero_tail(all, opt);
+
+  const double peak = measure_peak_gbs(opt);
+  const char* sep = opt.csv ? "," : " ";
+  std::printf("# moeext_bench | %s | CPU path %s | %d threads | LLC %.0f MiB | peak %.1f GB/s "
+              "(streaming copy, read + write)\n",
+              cpu_model().c_str(), moeext::cpu_isa_name(moeext::cpu_isa_active()),
+              omp_get_max_threads(), last_level_cache_bytes() / (1 << 20), peak);
+  if (opt.csv) {
+    std::printf("op,backend,shape,samples,median_us,noise_pct,bytes,GB_s,pct_peak\n");
+  } else {
+    std::printf("%-15s %-7s %-32s %7s %12s %7s %12s %8s %6s\n", "op", "backend", "shape",
+                "samples", "median_us", "noise_%", "bytes", "GB/s", "%peak");
+  }
+  for (const Case& c : all) {
+    if (!std::regex_search(c.op + " " + c.shape, opt.filter)) continue;
+    const Result r = measure(c, opt);
+    const double gbs = c.bytes / (r.median_us * 1e-6) / 1e9;
+    if (opt.csv) {
+      std::printf("%s%scpu%s\"%s\"%s%d%s%.3f%s%.1f%s%.0f%s%.2f%s%.1f\n", c.op.c_str(), sep, sep,
+                  c.shape.c_str(), sep, r.samples, sep, r.median_us, sep, r.noise_pct, sep,
+                  c.bytes, sep, gbs, sep, 100 * gbs / peak);
+    } else {
+      std::printf("%-15s %-7s %-32s %7d %12.2f %7.1f %12.0f %8.2f %6.1f\n", c.op.c_str(), "cpu",
+                  c.shape.c_str(), r.samples, r.median_us, r.noise_pct, c.bytes, gbs,
+                  100 * gbs / peak);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}

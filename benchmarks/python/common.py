@@ -1,0 +1,59 @@
+"""Timing and reporting shared by the Python benchmarks."""
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import moeext
+
+
+@dataclass
+class Row:
+    op: str                 # moeext op measured
+    case: str               # shape / preset, human readable
+    moeext_s: float         # median seconds per call
+    baseline: str           # what users run today, measured in the same run
+    baseline_s: float
+    x: Optional[float] = None  # plot abscissa (tokens), when the row belongs to a series
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_s / self.moeext_s
+
+    def line(self) -> str:
+        return (f"{self.op:20s} {self.case:34s} moeext {self.moeext_s * 1e6:11.1f} us   "
+                f"{self.baseline:22s} {self.baseline_s * 1e6:11.1f} us   x{self.speedup:6.1f}")
+
+
+def median_seconds(fn, min_time=0.3, max_iters=2000):
+    """Median of individually timed calls after a warm-up; at least 5, about min_time total."""
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    iters = int(min(max_iters, max(5, min_time / once)))
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"moeext CPU path {moeext.cpu_isa()}")
