@@ -1,6 +1,7 @@
 // Run-time choice of the CPU instruction set, and the launcher API entry points that route
 // each call to the copy of a kernel compiled for that instruction set. Compiled with the
 // baseline flags only: nothing here may execute an AVX-512 instruction.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -80,12 +81,20 @@ const char* cpu_isa_name(CpuIsa isa) {
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin,
                              int64_t row_end) {
   if (row_begin >= row_end) return;
-  // Four float rows of num_experts (padded to whole 16-lane vectors), the key arrays, the
-  // kept groups' expert ranges.
-  const int64_t padded = (p.num_experts + 15) / 16 * 16;
-  const int64_t floats = 4 * padded;
+  // Four float rows of num_experts (padded to whole 16-lane vectors), the group scores, the
+  // candidate buffers, the key arrays, the kept groups' expert ranges. The float arrays are
+  // whole multiples of 16 lanes, so each starts a cache line after the buffer's start.
+  auto padded = [](int64_t n) { return (n + 15) / 16 * 16; };
+  const int64_t row_floats = padded(p.num_experts);
+  const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
+  const int64_t rank_floats =
+      padded(std::max(cpu::kMaxCandidates, p.num_expert_group) + cpu::kCandidateSlack);
+  const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
+  const int64_t chosen_slots = padded(p.topk);
+  const int64_t words = 4 * row_floats + group_floats + rank_floats + 2 * candidate_slots +
+                        chosen_slots;  // 4-byte words
   const int64_t keys = p.topk_group + p.topk;
-  const int64_t bytes = floats * int64_t(sizeof(float)) + keys * int64_t(sizeof(uint64_t)) +
+  const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
                         p.topk_group * int64_t(sizeof(cpu::ExpertRange));
   // Decode-sized calls (the common case) stay on the stack: no allocation per call.
   alignas(64) unsigned char stack_buffer[24 * 1024];
@@ -96,10 +105,19 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
     buffer = heap_buffer.get();
   }
   float* f = reinterpret_cast<float*>(buffer);
-  uint64_t* k = reinterpret_cast<uint64_t*>(buffer + floats * sizeof(float));
-  cpu::ExpertRange* ranges = reinterpret_cast<cpu::ExpertRange*>(k + keys);
-  const cpu::GroupedTopkWorkspace ws{f,  f + padded,          f + 2 * padded, f + 3 * padded,
-                                     k,  k + p.topk_group,    ranges};
+  cpu::GroupedTopkWorkspace ws;
+  ws.scores = f;
+  ws.biased = f += row_floats;
+  ws.row = f += row_floats;
+  ws.bias = f += row_floats;
+  ws.group_scores = f += row_floats;
+  ws.ranks = f += group_floats;
+  ws.candidates = f += rank_floats;
+  ws.candidate_ids = reinterpret_cast<int32_t*>(f += candidate_slots);
+  ws.chosen = ws.candidate_ids + candidate_slots;
+  ws.group_keys = reinterpret_cast<uint64_t*>(ws.chosen + chosen_slots);
+  ws.expert_keys = ws.group_keys + p.topk_group;
+  ws.ranges = reinterpret_cast<cpu::ExpertRange*>(ws.expert_keys + p.topk);
 
   switch (cpu_isa_active()) {
     case CpuIsa::kAvx512:

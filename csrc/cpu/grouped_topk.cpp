@@ -1,12 +1,14 @@
 // Biased grouped top-k routing on the CPU (SPEC.md section 1). Compiled once per ISA; see
 // cpu/vec.h. One token (row) at a time, everything in fp32, in four steps:
 //   1. scores s and biased scores b of the row, into the workspace (NaN in b becomes -inf);
-//   2. a score per expert group (top-2 sum with a bias, max without);
-//   3. the kept groups: top topk_group group keys;
-//   4. the top topk expert keys among the kept groups, with a vector pre-filter that skips
-//      every lane below the current k-th value.
-// A key packs a value and an index into one integer, so that "larger value, then lower
-// index" is a single unsigned compare: the tie rule costs nothing and can't be got wrong.
+//   2. a score per expert group (top-2 sum with a bias, max without), W groups at a time;
+//   3. the kept groups: the topk_group best group scores;
+//   4. the topk best experts among the kept groups: a floor under the topk-th value, the
+//      experts at or above it packed into a short candidate list, and the list ranked.
+// Ties everywhere go to the lower index. Where candidates are compared by position (ranking),
+// they are laid out in index order so position and index agree; where they are compared as
+// keys (the insertion fallback), a key packs a value and an index into one integer, so that
+// "larger value, then lower index" is a single unsigned compare.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -101,7 +103,22 @@ void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, flo
       store_biased(s, bias, e, m, biased);
     }
   } else {
-    for (int64_t e = 0; e < num_experts; e += W) {
+    // Four vectors per step: each score is a long dependency chain, and interleaving four
+    // gives the out-of-order window independent work to overlap.
+    constexpr int64_t kUnroll = 4;
+    const auto all = Vec::tail_mask(W);
+    int64_t e = 0;
+    for (; e + kUnroll * W <= num_experts; e += kUnroll * W) {
+      Vec s[kUnroll];
+      for (int64_t u = 0; u < kUnroll; ++u) {
+        s[u] = score<kScore>(Vec::load(logits + e + u * W, all, 0.0f));
+      }
+      for (int64_t u = 0; u < kUnroll; ++u) {
+        s[u].store(scores + e + u * W, all);
+        store_biased(s[u], bias, e + u * W, all, biased);
+      }
+    }
+    for (; e < num_experts; e += W) {
       const auto m = Vec::tail_mask(num_experts - e);
       const Vec s = score<kScore>(Vec::load(logits + e, m, 0.0f));
       s.store(scores + e, m);
@@ -110,39 +127,163 @@ void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, flo
   }
 }
 
-// Step 2: a group of `size` experts starting at `b`. With a bias, the sum of the two
-// largest values (a repeated maximum counts twice); without, the maximum.
-inline float group_score(const float* b, int64_t size, bool top2_sum) {
-  Vec first = Vec::set1(kNegInf);
-  Vec second = Vec::set1(kNegInf);
-  for (int64_t i = 0; i < size; i += W) {
-    const auto m = Vec::tail_mask(size - i);
-    const Vec x = Vec::load(b + i, m, kNegInf);
-    second = Vec::max(second, Vec::min(first, x));
-    first = Vec::max(first, x);
+// Ranking a few dozen values: rank[i] of values[0, n) (no NaN) is how many values beat
+// values[i] -- are larger, or equal at a lower position -- so the ranks are a permutation of
+// 0..n-1. All pairs are compared, branch-free and W lanes at a time: for the n <= 64 values
+// ranked here that beats a sorting network (long dependency chains) and insertion
+// (mispredicted branches). The ranks stay in registers, as lanes of kVecs vectors: read back
+// from memory lane by lane they would stall on store forwarding.
+static_assert(kMaxCandidates <= 64, "ranked lanes are tracked in 64-bit masks");
+constexpr int64_t kMaxRankVecs = (kMaxCandidates + W - 1) / W;
+
+template <int64_t kVecs>
+inline void rank_values(const float* values, int64_t n, Vec* rank) {
+  Vec v[kVecs];
+  for (int64_t q = 0; q < kVecs; ++q) {
+    v[q] = Vec::load(values + q * W, Vec::tail_mask(n - q * W), kNegInf);
+    rank[q] = Vec::set1(0.0f);
   }
-  const float top1 = Vec::reduce_max(first);
-  if (!top2_sum || size == 1) return top1;
-  const auto at_top = Vec::cmp_eq(first, Vec::set1(top1));
-  float top2;
-  if (popcount(at_top) >= 2) {
-    top2 = top1;
-  } else {
-    const float rest = Vec::reduce_max(Vec::select(at_top, Vec::set1(kNegInf), first));
-    const float runner_up = Vec::reduce_max(second);
-    top2 = runner_up > rest ? runner_up : rest;
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec vj = Vec::set1(values[j]);
+    // Positions after j, where a value equal to values[j] loses to it.
+    const uint64_t after = j + 1 < 64 ? ~uint64_t(0) << (j + 1) : 0;
+    for (int64_t q = 0; q < kVecs; ++q) {
+      const auto later = typename Vec::Mask(after >> (q * W));
+      rank[q] = Vec::count_true(rank[q],
+                                Vec::cmp_gt(vj, v[q]) | (Vec::cmp_eq(vj, v[q]) & later));
+    }
   }
-  const float sum = top1 + top2;  // +inf + -inf is NaN: it ranks as -inf like NaN in b
-  return std::isnan(sum) ? kNegInf : sum;
 }
 
-// Step 4. A first pass keeps, lane by lane, the two largest values over the candidate
-// ranges; those are distinct experts, so the k-th largest of them bounds the k-th largest
-// candidate from below. The second pass offers only lanes at or above that bound (and, once k
-// keys are held, at or above the current k-th) to the branchy insertion: about k + a few
-// insertions per row instead of k * ln(E / k).
+// Bit i set where rank i == r: exactly one bit for 0 <= r < n.
+template <int64_t kVecs>
+inline uint64_t rank_position(const Vec* rank, int64_t r) {
+  uint64_t bits = 0;
+  for (int64_t q = 0; q < kVecs; ++q) {
+    bits |= uint64_t(Vec::cmp_eq(rank[q], Vec::set1(float(r)))) << (q * W);
+  }
+  return bits;
+}
+
+// The k-th largest of values[0, n).
+template <int64_t kVecs>
+struct KthLargest {
+  static float run(const float* values, int64_t n, int64_t k) {
+    Vec rank[kVecs];
+    rank_values<kVecs>(values, n, rank);
+    return values[__builtin_ctzll(rank_position<kVecs>(rank, k - 1))];
+  }
+};
+
+// ws.chosen[0, k) = the candidate ids of ranks 0..k-1.
+template <int64_t kVecs>
+struct ChooseRanked {
+  static void run(const GroupedTopkWorkspace& ws, int64_t count, int64_t k) {
+    Vec rank[kVecs];
+    rank_values<kVecs>(ws.candidates, count, rank);
+    for (int64_t j = 0; j < k; ++j) {
+      ws.chosen[j] = ws.candidate_ids[__builtin_ctzll(rank_position<kVecs>(rank, j))];
+    }
+  }
+};
+
+// Op<kVecs>::run(args...) with kVecs the vector count that covers n ranked values, so that
+// each use of the ranks is unrolled for it and keeps them in registers.
+template <template <int64_t> class Op, typename... Args>
+inline auto with_rank_vecs(int64_t n, Args... args) {
+  switch ((n + W - 1) / W) {
+    case 1: return Op<1>::run(args...);
+    case 2: return Op<(2 < kMaxRankVecs ? 2 : kMaxRankVecs)>::run(args...);
+    case 3: return Op<(3 < kMaxRankVecs ? 3 : kMaxRankVecs)>::run(args...);
+    default: return Op<kMaxRankVecs>::run(args...);
+  }
+}
+
+// Step 2 for all groups: the running top-2 of each group lane by lane, then the horizontal
+// reductions of kGroups groups done together. With a bias (kTop2) a group scores the sum of
+// its two largest b (a repeated maximum counts twice); without, its maximum. kGroups is a
+// compile-time count, so the loops unroll and the 2 * kGroups running vectors stay in
+// registers; groups n..kGroups-1 are padding.
+template <bool kTop2, int kGroups>
+inline void score_group_chunk(const float* b, int64_t group_size, int n, float* group_scores) {
+  Vec first[kGroups], second[kGroups];
+#pragma GCC unroll 16
+  for (int i = 0; i < kGroups; ++i) {
+    Vec f = Vec::set1(kNegInf), s = Vec::set1(kNegInf);
+    if (i < n) {
+      for (int64_t e = 0; e < group_size; e += W) {
+        const Vec x =
+            Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf);
+        if constexpr (kTop2) s = Vec::max(s, Vec::min(f, x));
+        f = Vec::max(f, x);
+      }
+    }
+    first[i] = f;
+    second[i] = s;
+  }
+  Vec::reduce_groups_top2<kTop2, kGroups>(first, second);
+  Vec score = first[0];
+  if (kTop2 && group_size > 1) {  // a group of one expert scores that expert's b
+    const Vec sum = first[0] + second[0];  // +inf + -inf is NaN: it ranks as -inf like NaN in b
+    score = Vec::select(Vec::is_nan(sum), Vec::set1(kNegInf), sum);
+  }
+  score.store(group_scores, Vec::tail_mask(n));
+}
+
+template <bool kTop2>
+inline void score_groups(const float* b, int64_t num_groups, int64_t group_size,
+                         float* group_scores) {
+  // Half a chunk when that is enough: the common 8 groups then cost half the merges.
+  constexpr int kHalf = W > 1 ? W / 2 : 1;
+  for (int64_t g0 = 0; g0 < num_groups; g0 += W) {
+    const int n = int(num_groups - g0 < W ? num_groups - g0 : W);
+    const float* chunk = b + g0 * group_size;
+    if (n <= kHalf) {
+      score_group_chunk<kTop2, kHalf>(chunk, group_size, n, group_scores + g0);
+    } else {
+      score_group_chunk<kTop2, W>(chunk, group_size, n, group_scores + g0);
+    }
+  }
+}
+
+// Step 3: the expert ranges of the kept groups, in group order with neighbours merged (the
+// ranking in step 4 relies on candidates arriving in index order). Returns their number.
+inline int64_t kept_ranges(const float* group_scores, int64_t num_groups, int64_t group_size,
+                           int64_t topk_group, const GroupedTopkWorkspace& ws) {
+  int64_t num_ranges = 0;
+  auto keep = [&](int64_t g) {
+    if (num_ranges > 0 && ws.ranges[num_ranges - 1].end == g * group_size) {
+      ws.ranges[num_ranges - 1].end += group_size;
+    } else {
+      ws.ranges[num_ranges++] = ExpertRange{g * group_size, (g + 1) * group_size};
+    }
+  };
+  if (num_groups <= W) {
+    Vec rank[1];
+    rank_values<1>(group_scores, num_groups, rank);
+    const auto kept =
+        Vec::tail_mask(num_groups) & Vec::cmp_lt(rank[0], Vec::set1(float(topk_group)));
+    for (uint32_t bits = kept; bits != 0; bits &= bits - 1) keep(__builtin_ctz(bits));
+  } else {
+    int64_t count = 0;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      topk_insert(ws.group_keys, count, topk_group, make_key(group_scores[g], g));
+    }
+    const uint64_t last_kept = ws.group_keys[topk_group - 1];
+    for (int64_t g = 0; g < num_groups; ++g) {
+      if (make_key(group_scores[g], g) >= last_kept) keep(g);
+    }
+  }
+  return num_ranges;
+}
+
+// Step 4a: a floor under the k-th largest candidate. Lane by lane, the two largest values
+// over the candidate ranges are distinct experts, so the k-th largest of those 2W values has
+// k distinct experts at or above it (a -inf fill standing in for a missing expert only lowers
+// the floor). With k <= W the lane maxima alone give a floor almost as tight at a quarter of
+// the ranking work. Returns -inf for k > 2W: every expert is a candidate.
 inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                             int64_t k) {
+                             int64_t k, const GroupedTopkWorkspace& ws) {
   if (k > 2 * W) return kNegInf;
   Vec first = Vec::set1(kNegInf);
   Vec second = Vec::set1(kNegInf);
@@ -153,34 +294,61 @@ inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t 
       first = Vec::max(first, x);
     }
   }
-  if (k <= W) return Vec::kth_largest(first, int(k));
-  // All W lanes of `first` are >= their minimum: with the (k - W) best of `second`, that
-  // makes k distinct experts at or above the smaller of the two.
-  const float rest = Vec::kth_largest(second, int(k - W));
-  const float lowest_first = Vec::reduce_min(first);
-  return rest < lowest_first ? rest : lowest_first;
+  const auto all = Vec::tail_mask(W);
+  first.store(ws.candidates, all);
+  second.store(ws.candidates + W, all);
+  const int64_t n = k <= W ? W : 2 * W;
+  return with_rank_vecs<KthLargest>(n, static_cast<const float*>(ws.candidates), n, k);
 }
 
-inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                           uint64_t* keys, int64_t k) {
-  const float floor = candidate_floor(b, ranges, num_ranges, k);
+// Step 4b: the experts at or above the floor, in index order, into ws.candidates /
+// ws.candidate_ids. Returns their number, or -1 once there are more than kMaxCandidates.
+inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                                 float floor, const GroupedTopkWorkspace& ws) {
   int64_t count = 0;
+  for (int64_t r = 0; r < num_ranges; ++r) {
+    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
+      const auto in_range = Vec::tail_mask(ranges[r].end - e);
+      const Vec x = Vec::load(b + e, in_range, kNegInf);
+      // >= : a value equal to the floor may still win on a lower index.
+      const auto m = in_range & Vec::cmp_ge(x, Vec::set1(floor));
+      count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
+                                   ws.candidate_ids + count);
+      if (count > kMaxCandidates) return -1;
+    }
+  }
+  return count;
+}
+
+// Step 4 entry: ws.chosen[0, k) gets the k best experts, best first.
+inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                           int64_t k, const GroupedTopkWorkspace& ws) {
+  const float floor = candidate_floor(b, ranges, num_ranges, k, ws);
+  const int64_t count = gather_candidates(b, ranges, num_ranges, floor, ws);
+  if (count >= 0) {
+    with_rank_vecs<ChooseRanked>(count, ws, count, k);
+    return;
+  }
+  // Too many candidates (a row of ties, or k > 2W): insertion, offering only lanes at or
+  // above the floor and, once k keys are held, at or above the current k-th.
+  uint64_t* keys = ws.expert_keys;
+  int64_t held = 0;
   for (int64_t r = 0; r < num_ranges; ++r) {
     for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
       const Vec x = Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf);
       float bound = floor;
-      if (count == k) {
+      if (held == k) {
         const float kth = b[key_index(keys[k - 1])];
         bound = kth > bound ? kth : bound;
       }
-      // >= : a value equal to the bound may still win on a lower index.
       auto m = Vec::tail_mask(ranges[r].end - e) & Vec::cmp_ge(x, Vec::set1(bound));
       for (uint32_t bits = m; bits != 0; bits &= bits - 1) {
         const int64_t expert = e + __builtin_ctz(bits);
-        topk_insert(keys, count, k, make_key(b[expert], expert));
+        topk_insert(keys, held, k, make_key(b[expert], expert));
       }
     }
   }
+  for (int64_t j = 0; j < k; ++j) ws.chosen[j] = int32_t(key_index(keys[j]));
 }
 
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
@@ -191,7 +359,7 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
   const int64_t group_size = num_experts / num_groups;
   const int64_t topk = p.topk;
   const bool all_groups_kept = p.topk_group == num_groups;
-  const bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
+  constexpr bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
   const LogitT* logits_base = static_cast<const LogitT*>(p.gating_output);
 
   for (int64_t t = row_begin; t < row_end; ++t) {
@@ -206,27 +374,21 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       score_row<kScore, LogitT, BiasT>(row, bias, num_experts, ws.scores, ws.biased);
     }
 
-    if (all_groups_kept) {
-      const ExpertRange all{0, num_experts};
-      select_experts(ws.biased, &all, 1, ws.expert_keys, topk);
-    } else {
-      int64_t kept = 0;
-      for (int64_t g = 0; g < num_groups; ++g) {
-        const float gs = group_score(ws.biased + g * group_size, group_size, has_bias);
-        topk_insert(ws.group_keys, kept, p.topk_group, make_key(gs, g));
-      }
-      for (int64_t i = 0; i < kept; ++i) {
-        const int64_t g = key_index(ws.group_keys[i]);
-        ws.ranges[i] = ExpertRange{g * group_size, (g + 1) * group_size};
-      }
-      select_experts(ws.biased, ws.ranges, kept, ws.expert_keys, topk);
+    const ExpertRange all{0, num_experts};
+    const ExpertRange* ranges = &all;
+    int64_t num_ranges = 1;
+    if (!all_groups_kept) {
+      score_groups<has_bias>(ws.biased, num_groups, group_size, ws.group_scores);
+      num_ranges = kept_ranges(ws.group_scores, num_groups, group_size, p.topk_group, ws);
+      ranges = ws.ranges;
     }
+    select_experts(ws.biased, ranges, num_ranges, topk, ws);
 
     float* weights = p.topk_weights + t * p.weights_row_stride;
     int32_t* ids = p.topk_ids + t * p.ids_row_stride;
     float sum = 0.0f;
     for (int64_t j = 0; j < topk; ++j) {
-      const int64_t expert = key_index(ws.expert_keys[j]);
+      const int64_t expert = ws.chosen[j];
       const float w = ws.scores[expert];
       weights[j] = std::isnan(w) ? 0.0f : w;  // weights come from s, never from b - bias
       ids[j] = int32_t(expert);

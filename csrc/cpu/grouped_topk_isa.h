@@ -12,12 +12,23 @@ struct ExpertRange {
   int64_t begin, end;
 };
 
-// Per-thread scratch, sized by grouped_topk_workspace_floats(); the kernel allocates nothing.
+// Candidates the sorting path of the expert selection ranks at most; rows with more (ties,
+// or topk beyond 32) take the insertion path.
+constexpr int64_t kMaxCandidates = 64;
+// Slack after each candidate array: compress_store writes whole 16-lane vectors.
+constexpr int64_t kCandidateSlack = 16;
+
+// Per-thread scratch, allocated by dispatch.cpp; the kernel allocates nothing.
 struct GroupedTopkWorkspace {
   float* scores;           // [num_experts] unbiased scores s of the current row
   float* biased;           // [num_experts] s + bias, NaN replaced by -inf
   float* row;              // [num_experts] the row widened to fp32, for column-strided logits
   float* bias;             // [num_experts] the bias widened to fp32, for a strided bias
+  float* group_scores;     // [num_expert_group + kCandidateSlack]
+  float* ranks;            // [max(kMaxCandidates, num_expert_group) + kCandidateSlack]
+  float* candidates;       // [kMaxCandidates + kCandidateSlack] values b of the candidates
+  int32_t* candidate_ids;  // [kMaxCandidates + kCandidateSlack] their expert indices
+  int32_t* chosen;         // [topk] the chosen experts, best first
   uint64_t* group_keys;    // [topk_group]
   uint64_t* expert_keys;   // [topk]
   ExpertRange* ranges;     // [topk_group]

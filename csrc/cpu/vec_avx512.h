@@ -10,31 +10,6 @@
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 
-// Compare-exchange partners and "keep the minimum" lanes of the ten steps of a 16-lane
-// bitonic sorting network (ascending), built at compile time.
-struct BitonicTables {
-  alignas(64) int partner[10][16];
-  uint16_t take_min[10];
-};
-constexpr BitonicTables make_bitonic_tables() {
-  BitonicTables t{};
-  int step = 0;
-  for (int block = 2; block <= 16; block *= 2) {
-    for (int stride = block / 2; stride > 0; stride /= 2, ++step) {
-      unsigned take_min = 0;
-      for (int i = 0; i < 16; ++i) {
-        t.partner[step][i] = i ^ stride;
-        const bool lower = (i & stride) == 0;
-        const bool ascending = (i & block) == 0;
-        if (lower == ascending) take_min |= 1u << i;
-      }
-      t.take_min[step] = uint16_t(take_min);
-    }
-  }
-  return t;
-}
-inline constexpr BitonicTables kBitonic = make_bitonic_tables();
-
 struct Vec {
   static constexpr int kWidth = 16;
   using Mask = __mmask16;
@@ -85,23 +60,82 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }
 
   static float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
-  static float reduce_min(Vec a) { return _mm512_reduce_min_ps(a.v); }
-  // The k-th largest lane (1 <= k <= 16) of a vector holding no NaN: the ten steps of a
-  // bitonic sorting network in registers (ascending), then lane 16 - k.
-  static float kth_largest(Vec a, int k) {
-    __m512 x = a.v;
-    for (int step = 0; step < 10; ++step) {
-      const __m512 y = _mm512_permutexvar_ps(_mm512_load_si512(kBitonic.partner[step]), x);
-      x = _mm512_mask_blend_ps(__mmask16(kBitonic.take_min[step]), _mm512_max_ps(x, y), _mm512_min_ps(x, y));
-    }
-    alignas(64) float sorted[16];
-    _mm512_store_ps(sorted, x);
-    return sorted[16 - k];
-  }
 
   static float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
-};
 
-inline int popcount(uint32_t m) { return __builtin_popcount(m); }
+  // acc + 1 in the lanes of m: a rank counter held in fp32 lanes (exact far beyond 2^10).
+  static Vec count_true(Vec acc, Mask m) {
+    return {_mm512_mask_add_ps(acc.v, m, acc.v, _mm512_set1_ps(1.0f))};
+  }
+
+  // The lanes of m, packed in lane order, to values[0..) and their indices first_index + lane
+  // to indices[0..). Always writes all 16 slots of both (room for them is the caller's);
+  // returns the number packed. Compressing in a register and storing whole vectors, because
+  // the compress-to-memory form is microcoded and slow on AMD.
+  static int compress_store(Vec x, Mask m, int32_t first_index, float* values,
+                            int32_t* indices) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    _mm512_storeu_ps(values, _mm512_maskz_compress_ps(m, x.v));
+    _mm512_storeu_si512(indices, _mm512_maskz_compress_epi32(
+                                     m, _mm512_add_epi32(_mm512_set1_epi32(first_index), lane)));
+    return __builtin_popcount(m);
+  }
+
+  // Horizontal top-2 of kGroups (8 or 16) groups at once. In: first[g] / second[g] hold,
+  // lane by lane, the largest and second largest value group g has seen in that lane. Out:
+  // lane g of first[0] / second[0] holds group g's largest / second largest over all its
+  // lanes (a repeated maximum counts twice); lanes >= kGroups hold -inf. Four levels of a
+  // transposing merge tree (each halves the lanes per group and doubles the groups per
+  // vector) replace 2 * kGroups separate horizontal reductions. Without kTop2 only `first`
+  // is reduced.
+  template <bool kTop2, int kGroups>
+  static void reduce_groups_top2(Vec* first, Vec* second) {
+    static_assert(kGroups == 8 || kGroups == 16, "one merge tree of 16 lanes");
+    const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+    int n = kGroups;
+#pragma GCC unroll 4
+    for (int level = 0; level < 4; ++level) {
+      const int merged = (n + 1) / 2;
+#pragma GCC unroll 8
+      for (int i = 0; i < merged; ++i) {
+        const bool paired = 2 * i + 1 < n;
+        const __m512 fa = first[2 * i].v, fb = paired ? first[2 * i + 1].v : neg_inf;
+        const __m512 f_lo = fold_lo(level, fa, fb), f_hi = fold_hi(level, fa, fb);
+        first[i].v = _mm512_max_ps(f_lo, f_hi);
+        if constexpr (kTop2) {
+          const __m512 sa = second[2 * i].v, sb = paired ? second[2 * i + 1].v : neg_inf;
+          const __m512 s_max = _mm512_max_ps(fold_lo(level, sa, sb), fold_hi(level, sa, sb));
+          second[i].v = _mm512_max_ps(_mm512_min_ps(f_lo, f_hi), s_max);
+        }
+      }
+      n = merged;
+    }
+    // The tree leaves group g in lane 4 * (g % 4) + g / 4 (a 4 x 4 transpose, its own inverse).
+    const __m512i to_group =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    first[0].v = _mm512_permutexvar_ps(to_group, first[0].v);
+    if constexpr (kTop2) second[0].v = _mm512_permutexvar_ps(to_group, second[0].v);
+  }
+
+ private:
+  // One level of the merge tree: two vectors whose groups each span 16 >> level lanes become
+  // two vectors (lo, hi) whose lane-wise max holds the groups of both, each in half the lanes.
+  static __m512 fold_lo(int level, __m512 a, __m512 b) {
+    switch (level) {
+      case 0: return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+      case 1: return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+      case 2: return _mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+      default: return _mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    }
+  }
+  static __m512 fold_hi(int level, __m512 a, __m512 b) {
+    switch (level) {
+      case 0: return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+      case 1: return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+      case 2: return _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+      default: return _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+  }
+};
 
 }  // namespace moeext::cpu::MOEEXT_CPU_ISA

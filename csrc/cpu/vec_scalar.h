@@ -57,11 +57,20 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }
 
   static float reduce_max(Vec a) { return a.v; }
-  static float reduce_min(Vec a) { return a.v; }
-  static float kth_largest(Vec a, int /*k == 1*/) { return a.v; }
   static float reduce_add(Vec a) { return a.v; }
-};
 
-inline int popcount(uint32_t m) { return __builtin_popcount(m); }
+  static Vec count_true(Vec acc, Mask m) { return {m ? acc.v + 1.0f : acc.v}; }
+  static int compress_store(Vec x, Mask m, int32_t first_index, float* values,
+                            int32_t* indices) {
+    values[0] = x.v;
+    indices[0] = first_index;
+    return m ? 1 : 0;
+  }
+  // One lane holds one group: its running top-2 is already the group's.
+  template <bool kTop2, int kGroups>
+  static void reduce_groups_top2(Vec* /*first*/, Vec* /*second*/) {
+    static_assert(kGroups == 1, "one group per lane");
+  }
+};
 
 }  // namespace moeext::cpu::MOEEXT_CPU_ISA
