@@ -7,8 +7,10 @@
 #include <memory>
 
 #include "cpu/grouped_topk_isa.h"
+#include "cpu/router_gemm_isa.h"
 #include "moeext/common.h"
 #include "moeext/grouped_topk.h"
+#include "moeext/router_gemm.h"
 
 namespace moeext {
 namespace {
@@ -25,6 +27,15 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx512bf16() {
+#if defined(MOEEXT_HAVE_AVX512BF16) && (defined(__x86_64__) || defined(_M_X64))
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 bool isa_available(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAuto:
@@ -32,6 +43,8 @@ bool isa_available(CpuIsa isa) {
       return true;
     case CpuIsa::kAvx512:
       return cpu_has_avx512();
+    case CpuIsa::kAvx512Bf16:
+      return cpu_has_avx512bf16();
   }
   return false;
 }
@@ -41,6 +54,9 @@ CpuIsa isa_from_environment() {
   if (forced != nullptr) {
     if (std::strcmp(forced, "scalar") == 0) return CpuIsa::kScalar;
     if (std::strcmp(forced, "avx512") == 0 && cpu_has_avx512()) return CpuIsa::kAvx512;
+    if (std::strcmp(forced, "avx512bf16") == 0 && cpu_has_avx512bf16()) {
+      return CpuIsa::kAvx512Bf16;
+    }
   }
   return cpu_isa_best();
 }
@@ -53,9 +69,13 @@ std::atomic<CpuIsa>& active_isa() {
 }  // namespace
 
 CpuIsa cpu_isa_best() {
-  static const CpuIsa best = cpu_has_avx512() ? CpuIsa::kAvx512 : CpuIsa::kScalar;
+  static const CpuIsa best = cpu_has_avx512bf16() ? CpuIsa::kAvx512Bf16
+                             : cpu_has_avx512()   ? CpuIsa::kAvx512
+                                                  : CpuIsa::kScalar;
   return best;
 }
+
+bool cpu_isa_supported(CpuIsa isa) { return isa != CpuIsa::kAuto && isa_available(isa); }
 
 CpuIsa cpu_isa_active() { return active_isa().load(std::memory_order_relaxed); }
 
@@ -73,6 +93,8 @@ const char* cpu_isa_name(CpuIsa isa) {
       return "scalar";
     case CpuIsa::kAvx512:
       return "avx512";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }
@@ -102,6 +124,7 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
                                      k,  k + p.topk_group,    ranges};
 
   switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:  // routing has no bf16 dot products: the avx512 copy
     case CpuIsa::kAvx512:
 #if defined(MOEEXT_HAVE_AVX512)
       cpu::avx512::biased_grouped_topk(p, row_begin, row_end, ws);
@@ -112,6 +135,43 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
       cpu::scalar::biased_grouped_topk(p, row_begin, row_end, ws);
       return;
   }
+}
+
+void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  if (expert_begin >= expert_end || p.num_tokens == 0) return;
+  switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:
+#if defined(MOEEXT_HAVE_AVX512BF16)
+      cpu::avx512bf16::router_gemm(p, expert_begin, expert_end);
+      return;
+#endif
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      cpu::avx512::router_gemm(p, expert_begin, expert_end);
+      return;
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      cpu::scalar::router_gemm(p, expert_begin, expert_end);
+      return;
+  }
+}
+
+int64_t router_gemm_expert_block() {
+  switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:
+#if defined(MOEEXT_HAVE_AVX512BF16)
+      return cpu::avx512bf16::router_gemm_expert_block();
+#endif
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      return cpu::avx512::router_gemm_expert_block();
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      return cpu::scalar::router_gemm_expert_block();
+  }
+  return 1;
 }
 
 }  // namespace moeext

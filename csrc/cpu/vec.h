@@ -4,15 +4,18 @@
 #pragma once
 
 #ifndef MOEEXT_CPU_ISA
-#error "MOEEXT_CPU_ISA must name the instruction set (scalar or avx512)"
+#error "MOEEXT_CPU_ISA must name the instruction set (scalar, avx512 or avx512bf16)"
 #endif
 
 #define MOEEXT_ISA_scalar 0
 #define MOEEXT_ISA_avx512 1
+#define MOEEXT_ISA_avx512bf16 2
 #define MOEEXT_ISA_ID_(name) MOEEXT_ISA_##name
 #define MOEEXT_ISA_ID(name) MOEEXT_ISA_ID_(name)
 
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512
+// avx512bf16 is avx512 plus the bf16 dot-product instruction, which only router_gemm uses.
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512 || \
+    MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
 #include "cpu/vec_avx512.h"
 #elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
 #include "cpu/vec_scalar.h"

@@ -1,0 +1,241 @@
+// Router GEMM on the CPU (SPEC.md section 2). Compiled once per ISA; see cpu/vec.h.
+//
+// The weight [E, H] is read in its nn.Linear layout: no packing step. A tile is kExperts
+// weight rows x kTokens tokens whose fp32 accumulators stay in registers for the whole of H;
+// the caller's expert range is walked tile row by tile row, and every token block reuses the
+// kExperts rows while they are in L1/L2, so each weight row comes from memory once per call
+// however many tokens there are. Each accumulator holds per-lane partial sums, reduced once at
+// the end (a few instructions per logit against H/32 dot steps).
+//
+// The per-ISA "Dot" types say how kStep consecutive elements of one token and one weight row
+// enter an accumulator:
+//   avx512bf16  vdpbf16ps: 32 bf16 pairs per instruction. It reads bf16 denormals as zero and
+//               flushes denormal results, which moves a logit by < 2^-126.
+//   avx512      bf16 widened by shifting: the even elements are the 32-bit lanes shifted left
+//               by 16, the odd ones the lanes with the low half cleared; both operands split
+//               the same way, so two FMAs cover 32 elements with no permutation.
+//   scalar      one element at a time.
+// fp16 and fp32 inputs widen to fp32 (vcvtph2ps) and use FMAs on the vector paths. Products of
+// two bf16 or two fp16 values are exact in fp32; only the accumulation rounds.
+// GCC 12's AVX-512 headers start shifts and extracts from a self-initialised "undefined"
+// vector and then warn about it once inlined (GCC bug 105593, fixed in 12.3).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "cpu/router_gemm_isa.h"
+#include "cpu/vec.h"
+
+namespace moeext::cpu::MOEEXT_CPU_ISA {
+namespace {
+
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+
+template <typename T>
+struct Dot {
+  static constexpr int kStep = 1;
+  using Acc = float;
+  using Operand = float;
+  static Acc zero() { return 0.0f; }
+  static Operand load(const T* p) { return to_float(*p); }
+  static Operand load_tail(const T* p, int64_t /*n >= 1*/) { return to_float(*p); }
+  static void madd(Acc& acc, Operand x, Operand w) { acc += x * w; }
+  static float reduce(Acc acc) { return acc; }
+};
+
+#else  // avx512, avx512bf16
+
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+inline __mmask32 mask32(int64_t n) {
+  return n >= 32 ? __mmask32(0xffffffffu) : __mmask32((uint32_t(1) << n) - 1u);
+}
+
+template <typename T>
+struct Dot;
+
+template <>
+struct Dot<float> {
+  static constexpr int kStep = 16;
+  using Acc = __m512;
+  using Operand = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Operand load(const float* p) { return _mm512_loadu_ps(p); }
+  static Operand load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(mask16(n), p); }
+  static void madd(Acc& acc, Operand x, Operand w) { acc = _mm512_fmadd_ps(x, w, acc); }
+  static float reduce(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+
+template <>
+struct Dot<fp16_t> : Dot<float> {
+  static Operand load(const fp16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static Operand load_tail(const fp16_t* p, int64_t n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16(n), p));
+  }
+};
+
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
+
+template <>
+struct Dot<bf16_t> {
+  static constexpr int kStep = 32;
+  using Acc = __m512;
+  using Operand = __m512bh;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Operand load(const bf16_t* p) { return Operand(_mm512_loadu_si512(p)); }
+  static Operand load_tail(const bf16_t* p, int64_t n) {
+    return Operand(_mm512_maskz_loadu_epi16(mask32(n), p));
+  }
+  static void madd(Acc& acc, Operand x, Operand w) { acc = _mm512_dpbf16_ps(acc, x, w); }
+  static float reduce(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+
+#else
+
+template <>
+struct Dot<bf16_t> {
+  static constexpr int kStep = 32;
+  using Acc = __m512;
+  struct Operand {
+    __m512 even, odd;
+  };
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Operand split(__m512i v) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
+  }
+  static Operand load(const bf16_t* p) { return split(_mm512_loadu_si512(p)); }
+  static Operand load_tail(const bf16_t* p, int64_t n) {
+    return split(_mm512_maskz_loadu_epi16(mask32(n), p));
+  }
+  static void madd(Acc& acc, const Operand& x, const Operand& w) {
+    acc = _mm512_fmadd_ps(x.odd, w.odd, _mm512_fmadd_ps(x.even, w.even, acc));
+  }
+  static float reduce(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+
+#endif
+#endif
+
+// Tile shape. 4 x 4 accumulators plus 4 weight operands (8 registers on the shifting path)
+// fit the 32 vector registers with room for the token operand, and 4 rows of a 7168-wide
+// bf16 weight (56 KiB) stay in L2 while every token block reuses them.
+struct TileShape {
+  static constexpr int kExperts = 4;
+  static constexpr int kTokens = 4;
+};
+static_assert(TileShape::kExperts * TileShape::kTokens + 2 * TileShape::kExperts + 2 <= 32,
+              "the tile's accumulators and operands must fit the vector registers");
+
+inline void store_logit(float v, float* out) { *out = v; }
+inline void store_logit(float v, bf16_t* out) { out->bits = float_to_bf16_bits(v); }
+
+template <typename In, typename Out, int R, int TB>
+void tile(const RouterGemmParams& p, int64_t expert, int64_t token) {
+  using D = Dot<In>;
+  const In* x[TB];
+  const In* w[R];
+  for (int t = 0; t < TB; ++t) {
+    x[t] = static_cast<const In*>(p.hidden_states) + (token + t) * p.hidden_row_stride;
+  }
+  for (int r = 0; r < R; ++r) {
+    w[r] = static_cast<const In*>(p.weight) + (expert + r) * p.weight_row_stride;
+  }
+  typename D::Acc acc[TB][R];
+  for (int t = 0; t < TB; ++t) {
+    for (int r = 0; r < R; ++r) acc[t][r] = D::zero();
+  }
+  const int64_t H = p.hidden_size;
+  int64_t h = 0;
+  for (; h + D::kStep <= H; h += D::kStep) {
+    typename D::Operand wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = D::load(w[r] + h);
+    for (int t = 0; t < TB; ++t) {
+      const typename D::Operand xv = D::load(x[t] + h);
+      for (int r = 0; r < R; ++r) D::madd(acc[t][r], xv, wv[r]);
+    }
+  }
+  if (h < H) {
+    // Both operands load zeros past H, so the tail adds exact zeros.
+    typename D::Operand wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = D::load_tail(w[r] + h, H - h);
+    for (int t = 0; t < TB; ++t) {
+      const typename D::Operand xv = D::load_tail(x[t] + h, H - h);
+      for (int r = 0; r < R; ++r) D::madd(acc[t][r], xv, wv[r]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    Out* out = static_cast<Out*>(p.logits) + (token + t) * p.logits_row_stride + expert;
+    for (int r = 0; r < R; ++r) store_logit(D::reduce(acc[t][r]), out + r);
+  }
+}
+
+using TileFn = void (*)(const RouterGemmParams&, int64_t, int64_t);
+
+// tiles[r - 1][t - 1] is the tile of r experts x t tokens: the edges of the expert range and
+// of the token count get exact-size tiles instead of branches in the inner loop.
+template <typename In, typename Out>
+struct TileTable {
+  TileFn fn[TileShape::kExperts][TileShape::kTokens];
+  template <int... I>
+  constexpr explicit TileTable(std::integer_sequence<int, I...>)
+      : fn{} {
+    ((fn[I / TileShape::kTokens][I % TileShape::kTokens] =
+          &tile<In, Out, I / TileShape::kTokens + 1, I % TileShape::kTokens + 1>),
+     ...);
+  }
+};
+template <typename In, typename Out>
+inline constexpr TileTable<In, Out> kTiles{
+    std::make_integer_sequence<int, TileShape::kExperts * TileShape::kTokens>{}};
+
+template <typename In, typename Out>
+void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  const auto& tiles = kTiles<In, Out>;
+  for (int64_t e = expert_begin; e < expert_end; e += TileShape::kExperts) {
+    const int64_t rows = std::min<int64_t>(TileShape::kExperts, expert_end - e);
+    for (int64_t t = 0; t < p.num_tokens; t += TileShape::kTokens) {
+      const int64_t tokens = std::min<int64_t>(TileShape::kTokens, p.num_tokens - t);
+      tiles.fn[rows - 1][tokens - 1](p, e, t);
+    }
+  }
+}
+
+template <typename In>
+void run_for_output(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  switch (p.logits_dtype) {
+    case DType::kBFloat16:
+      run<In, bf16_t>(p, expert_begin, expert_end);
+      return;
+    case DType::kFloat32:
+    case DType::kFloat16:  // rejected by the bindings
+      run<In, float>(p, expert_begin, expert_end);
+      return;
+  }
+}
+
+}  // namespace
+
+void router_gemm(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  switch (p.input_dtype) {
+    case DType::kBFloat16:
+      run_for_output<bf16_t>(p, expert_begin, expert_end);
+      return;
+    case DType::kFloat16:
+      run_for_output<fp16_t>(p, expert_begin, expert_end);
+      return;
+    case DType::kFloat32:
+      run_for_output<float>(p, expert_begin, expert_end);
+      return;
+  }
+}
+
+int router_gemm_expert_block() { return TileShape::kExperts; }
+
+}  // namespace moeext::cpu::MOEEXT_CPU_ISA
