@@ -9,7 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 
 from . import _C  # registers torch.ops.moeext.*
 from . import _fake  # noqa: F401  (registers the fakes)
-from . import presets, reference
+from . import nn, presets, reference
 from .ops import (
     biased_grouped_topk,
     biased_grouped_topk_out,
@@ -30,6 +30,7 @@ __all__ = [
     "biased_grouped_topk_out",
     "build_info",
     "cpu_isa",
+    "nn",
     "presets",
     "reference",
     "router_gemm",
