@@ -30,8 +30,8 @@ struct RouterGemmParams {
 // own pool, so each thread streams a disjoint slice of the weight.
 void router_gemm_cpu(const RouterGemmParams& params, int64_t expert_begin, int64_t expert_end);
 
-// Experts per block of the active CPU path: a split of the experts at multiples of it keeps
-// every thread on whole blocks.
+// A split of the experts at multiples of this keeps every thread on whole tiles of the
+// active CPU path.
 int64_t router_gemm_expert_block();
 
 }  // namespace moeext
