@@ -189,11 +189,14 @@ def test_errors_name_the_argument(make_args, message):
         moeext.router_gemm(*make_args())
 
 
-@pytest.mark.parametrize("make_args,message", ERROR_CASES[:-1])
+# Strides are the kernel's concern (the fake's outputs are fresh tensors), and the device
+# case needs one real device.
+FAKE_ERROR_CASES = [c for c in ERROR_CASES[:-1] if "contiguous rows" not in c[1]]
+
+
+@pytest.mark.parametrize("make_args,message", FAKE_ERROR_CASES)
 def test_fake_rejects_what_the_kernel_rejects(make_args, message):
     hidden, weight, out_dtype = make_args()
-    if "contiguous rows" in message:
-        pytest.skip("strides are a kernel concern; the fake only sees shapes and dtypes")
     # Up to the dtype names, which Python and C++ spell differently.
     prefix = message.split(", got")[0].split(r" \(")[0]
     with pytest.raises(RuntimeError, match=prefix):
