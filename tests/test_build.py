@@ -30,7 +30,8 @@ def test_set_cpu_isa_round_trip():
     finally:
         moeext.set_cpu_isa("auto")
     assert moeext.cpu_isa() == best
-    with pytest.raises(ValueError, match="isa must be 'auto', 'scalar', 'avx512' or 'avx512bf16'"):
+    with pytest.raises(ValueError,
+                       match="isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'avx512bf16'"):
         moeext.set_cpu_isa("sse9")
 
 

@@ -27,6 +27,16 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx2() {
+#if defined(MOEEXT_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_avx512bf16() {
 #if defined(MOEEXT_HAVE_AVX512BF16) && (defined(__x86_64__) || defined(_M_X64))
   __builtin_cpu_init();
@@ -41,6 +51,8 @@ bool isa_available(CpuIsa isa) {
     case CpuIsa::kAuto:
     case CpuIsa::kScalar:
       return true;
+    case CpuIsa::kAvx2:
+      return cpu_has_avx2();
     case CpuIsa::kAvx512:
       return cpu_has_avx512();
     case CpuIsa::kAvx512Bf16:
@@ -53,6 +65,7 @@ CpuIsa isa_from_environment() {
   const char* forced = std::getenv("MOEEXT_CPU_ISA");
   if (forced != nullptr) {
     if (std::strcmp(forced, "scalar") == 0) return CpuIsa::kScalar;
+    if (std::strcmp(forced, "avx2") == 0 && cpu_has_avx2()) return CpuIsa::kAvx2;
     if (std::strcmp(forced, "avx512") == 0 && cpu_has_avx512()) return CpuIsa::kAvx512;
     if (std::strcmp(forced, "avx512bf16") == 0 && cpu_has_avx512bf16()) {
       return CpuIsa::kAvx512Bf16;
@@ -71,6 +84,7 @@ std::atomic<CpuIsa>& active_isa() {
 CpuIsa cpu_isa_best() {
   static const CpuIsa best = cpu_has_avx512bf16() ? CpuIsa::kAvx512Bf16
                              : cpu_has_avx512()   ? CpuIsa::kAvx512
+                             : cpu_has_avx2()     ? CpuIsa::kAvx2
                                                   : CpuIsa::kScalar;
   return best;
 }
@@ -91,6 +105,8 @@ const char* cpu_isa_name(CpuIsa isa) {
       return "auto";
     case CpuIsa::kScalar:
       return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
     case CpuIsa::kAvx512:
       return "avx512";
     case CpuIsa::kAvx512Bf16:
@@ -131,6 +147,7 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
       return;
 #endif
     case CpuIsa::kAuto:
+    case CpuIsa::kAvx2:  // no AVX2 copy of the routing kernel
     case CpuIsa::kScalar:
       cpu::scalar::biased_grouped_topk(p, row_begin, row_end, ws);
       return;
@@ -150,6 +167,11 @@ void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t ex
       cpu::avx512::router_gemm(p, expert_begin, expert_end);
       return;
 #endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      cpu::avx2::router_gemm(p, expert_begin, expert_end);
+      return;
+#endif
     case CpuIsa::kAuto:
     case CpuIsa::kScalar:
       cpu::scalar::router_gemm(p, expert_begin, expert_end);
@@ -166,6 +188,10 @@ int64_t router_gemm_expert_block() {
     case CpuIsa::kAvx512:
 #if defined(MOEEXT_HAVE_AVX512)
       return cpu::avx512::router_gemm_expert_block();
+#endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      return cpu::avx2::router_gemm_expert_block();
 #endif
     case CpuIsa::kAuto:
     case CpuIsa::kScalar:

@@ -15,6 +15,7 @@
 //   avx512      bf16 widened by shifting: the even elements are the 32-bit lanes shifted left
 //               by 16, the odd ones the lanes with the low half cleared; both operands split
 //               the same way, so two FMAs cover 32 elements with no permutation.
+//   avx2        the same at 16 elements per step, in 16 ymm registers (smaller tiles).
 //   scalar      one element at a time.
 // fp16 and fp32 inputs widen to fp32 (vcvtph2ps) and use FMAs on the vector paths. Products of
 // two bf16 or two fp16 values are exact in fp32; only the accumulation rounds.
@@ -27,11 +28,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 
+#include "cpu/isa_id.h"
 #include "cpu/router_gemm_isa.h"
-#include "cpu/vec.h"
+#include "cpu/types.h"
+
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) != MOEEXT_ISA_scalar
+#include <immintrin.h>
+#endif
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
@@ -50,9 +57,81 @@ struct Dot {
   static float reduce(Acc acc) { return acc; }
 };
 
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
+
+// AVX2 has no 16-bit masked loads: the last partial step reads a zero-padded copy.
+template <typename T, int N>
+inline const T* zero_padded(const T* p, int64_t n, T (&buffer)[N]) {
+  std::memset(buffer, 0, sizeof(buffer));
+  std::memcpy(buffer, p, size_t(n) * sizeof(T));
+  return buffer;
+}
+
+inline float reduce256(__m256 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+template <typename T>
+struct Dot;
+
+template <>
+struct Dot<float> {
+  static constexpr int kStep = 8;
+  using Acc = __m256;
+  using Operand = __m256;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Operand load(const float* p) { return _mm256_loadu_ps(p); }
+  static Operand load_tail(const float* p, int64_t n) {
+    float buffer[kStep];
+    return load(zero_padded(p, n, buffer));
+  }
+  static void madd(Acc& acc, Operand x, Operand w) { acc = _mm256_fmadd_ps(x, w, acc); }
+  static float reduce(Acc acc) { return reduce256(acc); }
+};
+
+template <>
+struct Dot<fp16_t> : Dot<float> {
+  static Operand load(const fp16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static Operand load_tail(const fp16_t* p, int64_t n) {
+    fp16_t buffer[kStep];
+    return load(zero_padded(p, n, buffer));
+  }
+};
+
+// bf16 widened by shifting, as on the avx512 path, 16 elements per step.
+template <>
+struct Dot<bf16_t> {
+  static constexpr int kStep = 16;
+  using Acc = __m256;
+  struct Operand {
+    __m256 even, odd;
+  };
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Operand load(const bf16_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))))};
+  }
+  static Operand load_tail(const bf16_t* p, int64_t n) {
+    bf16_t buffer[kStep];
+    return load(zero_padded(p, n, buffer));
+  }
+  static void madd(Acc& acc, const Operand& x, const Operand& w) {
+    acc = _mm256_fmadd_ps(x.odd, w.odd, _mm256_fmadd_ps(x.even, w.even, acc));
+  }
+  static float reduce(Acc acc) { return reduce256(acc); }
+};
+
 #else  // avx512, avx512bf16
 
-inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+inline __mmask16 mask16(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+}
 inline __mmask32 mask32(int64_t n) {
   return n >= 32 ? __mmask32(0xffffffffu) : __mmask32((uint32_t(1) << n) - 1u);
 }
@@ -67,7 +146,9 @@ struct Dot<float> {
   using Operand = __m512;
   static Acc zero() { return _mm512_setzero_ps(); }
   static Operand load(const float* p) { return _mm512_loadu_ps(p); }
-  static Operand load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(mask16(n), p); }
+  static Operand load_tail(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(mask16(n), p);
+  }
   static void madd(Acc& acc, Operand x, Operand w) { acc = _mm512_fmadd_ps(x, w, acc); }
   static float reduce(Acc acc) { return _mm512_reduce_add_ps(acc); }
 };
@@ -134,9 +215,10 @@ struct Dot<bf16_t> {
 
 // Tile shape and pass length, tuned with bf16 at H = 7168 on an AMD EPYC (Zen 5, family 26).
 // A tile is kExperts weight rows x kTokens tokens whose accumulators, weight operands and
-// token operand all sit in the 32 vector registers: 6 x 4 where an operand is one register, 4 x 4 on the shifting
-// path where a bf16 operand is two (6 x 4 would spill). 6 rows beat 4 by ~20% at T = 4..256
-// (fewer loads per dot product); 7 x 3 and 4 x 6 were slower.
+// token operand all sit in the vector registers. With 32 registers: 6 x 4 where an operand
+// is one register, 4 x 4 on the shifting path where a bf16 operand is two (6 x 4 would
+// spill). 6 rows beat 4 by ~20% at T = 4..256 (fewer loads per dot product); 7 x 3 and
+// 4 x 6 were slower.
 // With more than one token block, H is walked in passes of kChunk elements, so that the
 // tile's weight rows and the tokens' slices of the pass come from L1/L2 rather than the
 // whole rows from L2/L3; the unreduced accumulators wait in a scratch array between passes.
@@ -145,17 +227,26 @@ template <typename In>
 struct TileShape {
   static constexpr int kOperandRegisters =
       sizeof(typename Dot<In>::Operand) / sizeof(typename Dot<In>::Acc);
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
+  // 16 ymm registers: 4 x 2 (3 x 2 with two-register bf16 operands).
+  static constexpr int kRegisters = 16;
+  static constexpr int kExperts = kOperandRegisters == 1 ? 4 : 3;
+  static constexpr int kTokens = 2;
+#else
+  static constexpr int kRegisters = 32;
   static constexpr int kExperts = kOperandRegisters == 1 ? 6 : 4;
   static constexpr int kTokens = 4;
+#endif
   static constexpr int64_t kChunk = 2048;
-  static_assert(kExperts * kTokens + kOperandRegisters * (kExperts + 1) <= 32,
+  static_assert(kExperts * kTokens + kOperandRegisters * (kExperts + 1) <= kRegisters,
                 "the tile's accumulators and operands must fit the vector registers");
   static_assert(kChunk % 32 == 0, "passes must end on whole vector steps");
 };
 // Splitting the experts at multiples of this keeps every thread on whole tiles of any shape.
 constexpr int kExpertBlock = 12;
 static_assert(kExpertBlock % TileShape<float>::kExperts == 0 &&
-              kExpertBlock % TileShape<bf16_t>::kExperts == 0, "");
+                  kExpertBlock % TileShape<bf16_t>::kExperts == 0,
+              "a thread's expert range must hold whole tiles");
 
 inline void store_logit(float v, float* out) { *out = v; }
 inline void store_logit(float v, bf16_t* out) { out->bits = float_to_bf16_bits(v); }

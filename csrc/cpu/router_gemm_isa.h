@@ -13,6 +13,7 @@ namespace moeext::cpu {
   int router_gemm_expert_block();                                                           \
   }
 MOEEXT_DECLARE_ROUTER_GEMM(scalar)
+MOEEXT_DECLARE_ROUTER_GEMM(avx2)
 MOEEXT_DECLARE_ROUTER_GEMM(avx512)
 MOEEXT_DECLARE_ROUTER_GEMM(avx512bf16)
 #undef MOEEXT_DECLARE_ROUTER_GEMM

@@ -121,7 +121,8 @@ def router_gemm(
     The product a MoE gate computes, returned directly in fp32: no upcast of the inputs, no
     bf16 GEMM result to widen afterwards. On the CPU the weight is read in its ``nn.Linear``
     layout, once per call whatever the number of tokens; the instruction set is chosen at run
-    time (AVX512-BF16 dot products, AVX-512 FMAs on bf16 widened by shifting, or portable C++).
+    time (AVX512-BF16 dot products, AVX-512 or AVX2 FMAs on bf16 widened by shifting, or
+    portable C++).
     On the AVX512-BF16 path bf16 denormals (magnitude below 2^-126) read as zero.
 
     Args:
@@ -178,15 +179,15 @@ def build_info() -> dict:
 
 
 def cpu_isa() -> str:
-    """The instruction-set path the CPU kernels use now (``"avx512bf16"``, ``"avx512"`` or
-    ``"scalar"``)."""
+    """The instruction-set path the CPU kernels use now (``"avx512bf16"``, ``"avx512"``,
+    ``"avx2"`` or ``"scalar"``)."""
     return _C.cpu_isa()
 
 
 def set_cpu_isa(isa: str) -> None:
-    """Forces the CPU kernels onto ``"scalar"``, ``"avx512"`` or ``"avx512bf16"``; ``"auto"``
-    picks the best. (``"avx512bf16"`` only changes router_gemm: the other kernels have no bf16
-    dot products and run their ``"avx512"`` code there.)
+    """Forces the CPU kernels onto ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
+    ``"auto"`` picks the best. (``"avx2"`` and ``"avx512bf16"`` only change router_gemm: the
+    other kernels run their ``"scalar"`` and ``"avx512"`` code there.)
 
     The environment variable ``MOEEXT_CPU_ISA`` does the same at import time. Raises
     ValueError if this build or this CPU lacks the path.

@@ -17,14 +17,15 @@ enum class DType : int8_t {
 enum class CpuIsa : int8_t {
   kAuto = -1,
   kScalar = 0,
-  kAvx512 = 1,
-  kAvx512Bf16 = 2,  // AVX-512 plus vdpbf16ps (Zen 4, Cooper Lake, Sapphire Rapids)
+  kAvx2 = 1,        // AVX2 + FMA + F16C: router_gemm only; the other kernels run scalar there
+  kAvx512 = 2,
+  kAvx512Bf16 = 3,  // AVX-512 plus vdpbf16ps (Zen 4/5, Cooper Lake, Sapphire Rapids)
 };
 
 // The best path this binary has and this CPU (and OS) supports.
 CpuIsa cpu_isa_best();
 // The path the CPU kernels use now: the best one unless forced, by set_cpu_isa() or by the
-// environment variable MOEEXT_CPU_ISA=scalar|avx512|avx512bf16 read once at start.
+// environment variable MOEEXT_CPU_ISA=scalar|avx2|avx512|avx512bf16 read once at start.
 CpuIsa cpu_isa_active();
 // Forces a path (kAuto restores the best one). Returns false, changing nothing, when the
 // binary or the CPU lacks it.
