@@ -16,6 +16,9 @@ def test_build_info():
     assert "cpu" in info["backends"]
     assert "scalar" in info["cpu_isas_compiled"]
     assert info["cpu_isa_best"] in info["cpu_isas_compiled"]
+    assert "scalar" in info["cpu_isas_available"]
+    assert set(info["cpu_isas_available"]) <= set(info["cpu_isas_compiled"])
+    assert info["cpu_isa_best"] == info["cpu_isas_available"][-1]  # best last
 
 
 def test_set_cpu_isa_round_trip():
@@ -27,7 +30,8 @@ def test_set_cpu_isa_round_trip():
     finally:
         moeext.set_cpu_isa("auto")
     assert moeext.cpu_isa() == best
-    with pytest.raises(ValueError, match="isa must be 'auto', 'scalar' or 'avx512'"):
+    with pytest.raises(ValueError,
+                       match="isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'avx512bf16'"):
         moeext.set_cpu_isa("sse9")
 
 
@@ -46,7 +50,7 @@ def test_environment_forces_the_portable_path():
 def test_every_op_has_one_schema_and_a_fake():
     schema = (ROOT / "csrc" / "torch" / "schema.cpp").read_text()
     fakes = (ROOT / "python" / "moeext" / "_fake.py").read_text()
-    for name in ("biased_grouped_topk", "biased_grouped_topk_out", "zero_tail_",
+    for name in ("biased_grouped_topk", "biased_grouped_topk_out", "router_gemm", "zero_tail_",
                  "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
                  "e8m0_unshuffle"):
         assert f'"{name}(' in schema

@@ -134,3 +134,43 @@ def test_compile_shuffles():
         s = torch.randint(0, 256, (experts * 64, 1), dtype=torch.uint8)
         got, expected = compiled(w, s), prepare(w, s)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 33])
+def test_opcheck_router_gemm(device, num_tokens, out_dtype):
+    g = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, 2 * 1000, generator=g).bfloat16().to(device)
+    # Strided rows, except for T = 0: opcheck cannot rebuild a strided view of 0 rows.
+    hidden = hidden[:, :1000] if num_tokens else torch.empty(0, 1000, dtype=torch.bfloat16,
+                                                             device=device)
+    weight = (0.02 * torch.randn(7, 1000, generator=g)).bfloat16().to(device)
+    torch.library.opcheck(torch.ops.moeext.router_gemm.default, (hidden, weight, out_dtype))
+    torch.library.opcheck(torch.ops.moeext.router_gemm.default,
+                          (hidden.float(), weight.float()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_compile_router_gemm_then_routing(device, out_dtype):
+    """The gate as an engine runs it: GEMM, then routing on its logits, in one graph."""
+    torch._dynamo.reset()
+    p = PRESETS["deepseek-v3"]
+    g = torch.Generator().manual_seed(0)
+    weight = (0.02 * torch.randn(p.num_experts, 512, generator=g)).bfloat16().to(device)
+    bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)).to(device)
+
+    def gate(hidden):
+        logits = moeext.router_gemm(hidden, weight, out_dtype)
+        return moeext.biased_grouped_topk(logits, bias, **p.op_kwargs()) + (logits,)
+
+    compiled = torch.compile(gate, fullgraph=True, dynamic=True)
+    for num_tokens in (3, 17, 1):
+        hidden = torch.randn(num_tokens, 512, generator=g).bfloat16().to(device)
+        expected = gate(hidden)
+        got = compiled(hidden)
+        assert got[2].dtype == out_dtype and got[2].shape == (num_tokens, p.num_experts)
+        assert torch.equal(got[2], expected[2])
+        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[0], expected[0])

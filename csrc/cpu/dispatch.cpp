@@ -8,8 +8,10 @@
 #include <memory>
 
 #include "cpu/grouped_topk_isa.h"
+#include "cpu/router_gemm_isa.h"
 #include "moeext/common.h"
 #include "moeext/grouped_topk.h"
+#include "moeext/router_gemm.h"
 
 namespace moeext {
 namespace {
@@ -26,13 +28,36 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx2() {
+#if defined(MOEEXT_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512bf16() {
+#if defined(MOEEXT_HAVE_AVX512BF16) && (defined(__x86_64__) || defined(_M_X64))
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 bool isa_available(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAuto:
     case CpuIsa::kScalar:
       return true;
+    case CpuIsa::kAvx2:
+      return cpu_has_avx2();
     case CpuIsa::kAvx512:
       return cpu_has_avx512();
+    case CpuIsa::kAvx512Bf16:
+      return cpu_has_avx512bf16();
   }
   return false;
 }
@@ -41,7 +66,11 @@ CpuIsa isa_from_environment() {
   const char* forced = std::getenv("MOEEXT_CPU_ISA");
   if (forced != nullptr) {
     if (std::strcmp(forced, "scalar") == 0) return CpuIsa::kScalar;
+    if (std::strcmp(forced, "avx2") == 0 && cpu_has_avx2()) return CpuIsa::kAvx2;
     if (std::strcmp(forced, "avx512") == 0 && cpu_has_avx512()) return CpuIsa::kAvx512;
+    if (std::strcmp(forced, "avx512bf16") == 0 && cpu_has_avx512bf16()) {
+      return CpuIsa::kAvx512Bf16;
+    }
   }
   return cpu_isa_best();
 }
@@ -54,9 +83,14 @@ std::atomic<CpuIsa>& active_isa() {
 }  // namespace
 
 CpuIsa cpu_isa_best() {
-  static const CpuIsa best = cpu_has_avx512() ? CpuIsa::kAvx512 : CpuIsa::kScalar;
+  static const CpuIsa best = cpu_has_avx512bf16() ? CpuIsa::kAvx512Bf16
+                             : cpu_has_avx512()   ? CpuIsa::kAvx512
+                             : cpu_has_avx2()     ? CpuIsa::kAvx2
+                                                  : CpuIsa::kScalar;
   return best;
 }
+
+bool cpu_isa_supported(CpuIsa isa) { return isa != CpuIsa::kAuto && isa_available(isa); }
 
 CpuIsa cpu_isa_active() { return active_isa().load(std::memory_order_relaxed); }
 
@@ -72,8 +106,12 @@ const char* cpu_isa_name(CpuIsa isa) {
       return "auto";
     case CpuIsa::kScalar:
       return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
     case CpuIsa::kAvx512:
       return "avx512";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }
@@ -120,16 +158,64 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   ws.ranges = reinterpret_cast<cpu::ExpertRange*>(ws.expert_keys + p.topk);
 
   switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:  // routing has no bf16 dot products: the avx512 copy
     case CpuIsa::kAvx512:
 #if defined(MOEEXT_HAVE_AVX512)
       cpu::avx512::biased_grouped_topk(p, row_begin, row_end, ws);
       return;
 #endif
     case CpuIsa::kAuto:
+    case CpuIsa::kAvx2:  // no AVX2 copy of the routing kernel
     case CpuIsa::kScalar:
       cpu::scalar::biased_grouped_topk(p, row_begin, row_end, ws);
       return;
   }
+}
+
+void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  if (expert_begin >= expert_end || p.num_tokens == 0) return;
+  switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:
+#if defined(MOEEXT_HAVE_AVX512BF16)
+      cpu::avx512bf16::router_gemm(p, expert_begin, expert_end);
+      return;
+#endif
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      cpu::avx512::router_gemm(p, expert_begin, expert_end);
+      return;
+#endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      cpu::avx2::router_gemm(p, expert_begin, expert_end);
+      return;
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      cpu::scalar::router_gemm(p, expert_begin, expert_end);
+      return;
+  }
+}
+
+int64_t router_gemm_expert_block() {
+  switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:
+#if defined(MOEEXT_HAVE_AVX512BF16)
+      return cpu::avx512bf16::router_gemm_expert_block();
+#endif
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      return cpu::avx512::router_gemm_expert_block();
+#endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      return cpu::avx2::router_gemm_expert_block();
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      return cpu::scalar::router_gemm_expert_block();
+  }
+  return 1;
 }
 
 }  // namespace moeext

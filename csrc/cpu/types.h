@@ -43,4 +43,11 @@ inline float to_float(fp16_t x) {
   return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+// Round to nearest even, as torch rounds fp32 to bf16; NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16_bits(float f) {
+  const uint32_t bits = float_to_bits(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40u);
+  return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 }  // namespace moeext::cpu

@@ -14,6 +14,7 @@
 
 #include "moeext/grouped_topk.h"
 #include "moeext/mxfp4_shuffle.h"
+#include "moeext/router_gemm.h"
 #include "moeext/zero_tail.h"
 #include "torch/params.h"
 
@@ -58,6 +59,29 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_impl_cpu(
                               num_expert_group, topk_group, renormalize, routed_scaling_factor,
                               scoring_func);
   return {topk_weights, topk_ids};
+}
+
+at::Tensor router_gemm_cpu_impl(const at::Tensor& hidden_states, const at::Tensor& weight,
+                                std::optional<at::ScalarType> out_dtype) {
+  constexpr const char* op = "router_gemm";
+  check_cpu(hidden_states, op, "hidden_states");
+  const at::ScalarType logits_dtype =
+      check_router_gemm_inputs(hidden_states, weight, out_dtype, op);
+  at::Tensor logits = at::empty({hidden_states.size(0), weight.size(0)},
+                                hidden_states.options().dtype(logits_dtype));
+  const RouterGemmParams p = make_router_gemm_params(hidden_states, weight, logits);
+  if (p.num_tokens == 0 || p.num_experts == 0) return logits;
+  // Threads split the experts, so each streams its own slice of the weight once and computes
+  // every token for it. A chunk should carry at least ~512k multiply-adds (a few us, more
+  // than a thread wake-up costs), so small gates stay on the calling thread.
+  const int64_t block = router_gemm_expert_block();
+  const int64_t num_blocks = (p.num_experts + block - 1) / block;
+  const int64_t work_per_block = block * std::max<int64_t>(1, p.hidden_size) * p.num_tokens;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / work_per_block);
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    router_gemm_cpu(p, begin * block, std::min(end * block, p.num_experts));
+  });
+  return logits;
 }
 
 // Zeroing streams at memory speed: below ~1 MiB a second thread costs more than it saves.
@@ -196,6 +220,7 @@ at::Tensor e8m0_unshuffle_cpu_op(const at::Tensor& shuffled, int64_t m, int64_t 
 TORCH_LIBRARY_IMPL(moeext, CPU, m) {
   m.impl("biased_grouped_topk", &biased_grouped_topk_impl_cpu);
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_cpu);
+  m.impl("router_gemm", &router_gemm_cpu_impl);
   m.impl("zero_tail_", &zero_tail_cpu);
   m.impl("zero_tail_tracked_", &zero_tail_tracked_cpu);
   m.impl("shuffle_weight", &shuffle_weight_cpu_op);

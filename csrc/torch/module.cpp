@@ -15,16 +15,33 @@ namespace {
 moeext::CpuIsa parse_isa(const std::string& name) {
   if (name == "auto") return moeext::CpuIsa::kAuto;
   if (name == "scalar") return moeext::CpuIsa::kScalar;
+  if (name == "avx2") return moeext::CpuIsa::kAvx2;
   if (name == "avx512") return moeext::CpuIsa::kAvx512;
-  throw py::value_error("set_cpu_isa: isa must be 'auto', 'scalar' or 'avx512', got '" + name +
-                        "'");
+  if (name == "avx512bf16") return moeext::CpuIsa::kAvx512Bf16;
+  throw py::value_error(
+      "set_cpu_isa: isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'avx512bf16', got '" + name +
+      "'");
 }
 
 std::vector<std::string> compiled_isas() {
-  std::vector<std::string> isas{"scalar"};
+  std::vector<std::string> isas{"scalar"};  // best last
+#if defined(MOEEXT_HAVE_AVX2)
+  isas.emplace_back("avx2");
+#endif
 #if defined(MOEEXT_HAVE_AVX512)
   isas.emplace_back("avx512");
 #endif
+#if defined(MOEEXT_HAVE_AVX512BF16)
+  isas.emplace_back("avx512bf16");
+#endif
+  return isas;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> isas;
+  for (const std::string& name : compiled_isas()) {
+    if (moeext::cpu_isa_supported(parse_isa(name))) isas.push_back(name);
+  }
   return isas;
 }
 
@@ -37,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
     info["torch_version"] = MOEEXT_TORCH_VERSION;
     info["backends"] = std::vector<std::string>{"cpu"};
     info["cpu_isas_compiled"] = compiled_isas();
+    info["cpu_isas_available"] = available_isas();
     info["cpu_isa_best"] = moeext::cpu_isa_name(moeext::cpu_isa_best());
     info["cpu_isa_active"] = moeext::cpu_isa_name(moeext::cpu_isa_active());
     return info;
@@ -53,6 +71,6 @@ PYBIND11_MODULE(_C, m) {
         }
       },
       py::arg("isa"),
-      "Forces the CPU kernels onto one instruction-set path ('scalar', 'avx512') or back to "
-      "the best available ('auto').");
+      "Forces the CPU kernels onto one instruction-set path ('scalar', 'avx2', 'avx512', 'avx512bf16') "
+      "or back to the best available ('auto').");
 }

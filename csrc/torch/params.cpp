@@ -121,6 +121,54 @@ BiasedGroupedTopkParams make_grouped_topk_params(
   return p;
 }
 
+at::ScalarType check_router_gemm_inputs(const at::Tensor& hidden_states, const at::Tensor& weight,
+                                        std::optional<at::ScalarType> out_dtype, const char* op) {
+  TORCH_CHECK(hidden_states.dim() == 2, op,
+              ": hidden_states must be 2-D [num_tokens, hidden_size], got shape ",
+              hidden_states.sizes());
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [num_experts, hidden_size], got shape ",
+              weight.sizes());
+  to_moeext_dtype(hidden_states, op, "hidden_states");
+  TORCH_CHECK(weight.scalar_type() == hidden_states.scalar_type(), op,
+              ": weight must have the dtype of hidden_states (", hidden_states.scalar_type(),
+              "), got ", weight.scalar_type());
+  TORCH_CHECK(weight.size(1) == hidden_states.size(1), op,
+              ": weight must have shape [num_experts, ", hidden_states.size(1),
+              "] (hidden_size of hidden_states), got ", weight.sizes());
+  TORCH_CHECK(weight.device() == hidden_states.device(), op, ": weight is on ", weight.device(),
+              " but hidden_states is on ", hidden_states.device());
+  // Strided rows (a slice of a wider activation buffer) are fine; strided columns would make
+  // every load a gather, and a per-call copy is what this op exists to avoid.
+  TORCH_CHECK(hidden_states.size(1) <= 1 || hidden_states.stride(1) == 1, op,
+              ": hidden_states must have contiguous rows (stride(1) == 1), got strides ",
+              hidden_states.strides());
+  TORCH_CHECK(weight.size(1) <= 1 || weight.stride(1) == 1, op,
+              ": weight must have contiguous rows (stride(1) == 1), got strides ",
+              weight.strides());
+  const at::ScalarType logits_dtype = out_dtype.value_or(at::kFloat);
+  TORCH_CHECK(logits_dtype == at::kFloat || logits_dtype == at::kBFloat16, op,
+              ": out_dtype must be float32 or bfloat16 (or None for float32), got ",
+              logits_dtype);
+  return logits_dtype;
+}
+
+RouterGemmParams make_router_gemm_params(const at::Tensor& hidden_states,
+                                         const at::Tensor& weight, const at::Tensor& logits) {
+  RouterGemmParams p;
+  p.hidden_states = hidden_states.data_ptr();
+  p.hidden_row_stride = hidden_states.stride(0);
+  p.weight = weight.data_ptr();
+  p.weight_row_stride = weight.stride(0);
+  p.input_dtype = to_moeext_dtype(hidden_states, "router_gemm", "hidden_states");
+  p.logits = logits.data_ptr();
+  p.logits_row_stride = logits.stride(0);
+  p.logits_dtype = to_moeext_dtype(logits, "router_gemm", "out_dtype");
+  p.num_tokens = hidden_states.size(0);
+  p.hidden_size = hidden_states.size(1);
+  p.num_experts = weight.size(0);
+  return p;
+}
+
 ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
                                      int64_t prev_extent, const char* op) {
   TORCH_CHECK(new_extent >= 0, op, ": new_extent must be >= 0, got ", new_extent);

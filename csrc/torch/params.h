@@ -10,6 +10,7 @@
 
 #include "moeext/grouped_topk.h"
 #include "moeext/mxfp4_shuffle.h"
+#include "moeext/router_gemm.h"
 #include "moeext/zero_tail.h"
 
 namespace moeext::torch_glue {
@@ -29,6 +30,14 @@ BiasedGroupedTopkParams make_grouped_topk_params(
     const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t num_expert_group,
     int64_t topk_group, bool renormalize, double routed_scaling_factor,
     std::string_view scoring_func, const char* op);
+
+// Checks the inputs of router_gemm and returns the logits dtype (out_dtype, float32 if none).
+at::ScalarType check_router_gemm_inputs(const at::Tensor& hidden_states, const at::Tensor& weight,
+                                        std::optional<at::ScalarType> out_dtype, const char* op);
+
+// Fills the launcher params from checked inputs and an output [num_tokens, num_experts].
+RouterGemmParams make_router_gemm_params(const at::Tensor& hidden_states,
+                                         const at::Tensor& weight, const at::Tensor& logits);
 
 // Checks buf (rows along dim 0 must each be one contiguous byte range) and the extents,
 // and describes rows [new_extent, min(prev_extent, buf.size(0))) for zeroing.

@@ -14,6 +14,8 @@ TORCH_LIBRARY(moeext, m) {
       "Tensor(a!) topk_weights, Tensor(b!) topk_ids, int num_expert_group, int topk_group, "
       "bool renormalize=True, float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\") "
       "-> ()");
+  m.def(
+      "router_gemm(Tensor hidden_states, Tensor weight, ScalarType? out_dtype=None) -> Tensor");
   m.def("zero_tail_(Tensor(a!) buf, int new_extent, int prev_extent) -> ()");
   m.def("zero_tail_tracked_(Tensor(a!) buf, Tensor(b!) state, int new_extent) -> ()");
   m.def("shuffle_weight(Tensor w, int[2] layout=[16, 16], bool gate_up=False) -> Tensor");

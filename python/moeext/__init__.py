@@ -9,12 +9,13 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 
 from . import _C  # registers torch.ops.moeext.*
 from . import _fake  # noqa: F401  (registers the fakes)
-from . import loading, mxfp4, presets, reference
+from . import loading, mxfp4, nn, presets, reference
 from .ops import (
     biased_grouped_topk,
     biased_grouped_topk_out,
     build_info,
     cpu_isa,
+    router_gemm,
     set_cpu_isa,
     zero_tail_,
     zero_tail_tracked_,
@@ -35,8 +36,10 @@ __all__ = [
     "cpu_isa",
     "loading",
     "mxfp4",
+    "nn",
     "presets",
     "reference",
+    "router_gemm",
     "set_cpu_isa",
     "zero_tail_",
     "zero_tail_tracked_",

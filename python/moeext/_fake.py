@@ -85,6 +85,35 @@ def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, 
     return None
 
 
+@torch.library.register_fake("moeext::router_gemm")
+def _router_gemm_fake(hidden_states, weight, out_dtype=None):
+    op = "router_gemm"
+    torch._check(hidden_states.dim() == 2,
+                 lambda: f"{op}: hidden_states must be 2-D [num_tokens, hidden_size], got shape "
+                 f"{list(hidden_states.shape)}")
+    torch._check(weight.dim() == 2,
+                 lambda: f"{op}: weight must be 2-D [num_experts, hidden_size], got shape "
+                 f"{list(weight.shape)}")
+    torch._check(hidden_states.dtype in _FLOAT_DTYPES,
+                 lambda: f"{op}: hidden_states must be float32, bfloat16 or float16, got "
+                 f"{hidden_states.dtype}")
+    torch._check(weight.dtype == hidden_states.dtype,
+                 lambda: f"{op}: weight must have the dtype of hidden_states "
+                 f"({hidden_states.dtype}), got {weight.dtype}")
+    torch._check(weight.shape[1] == hidden_states.shape[1],
+                 lambda: f"{op}: weight must have shape [num_experts, {hidden_states.shape[1]}] "
+                 f"(hidden_size of hidden_states), got {list(weight.shape)}")
+    torch._check(weight.device == hidden_states.device,
+                 lambda: f"{op}: weight is on {weight.device} but hidden_states is on "
+                 f"{hidden_states.device}")
+    logits_dtype = torch.float32 if out_dtype is None else out_dtype
+    torch._check(logits_dtype in (torch.float32, torch.bfloat16),
+                 lambda: f"{op}: out_dtype must be float32 or bfloat16 (or None for float32), "
+                 f"got {logits_dtype}")
+    return hidden_states.new_empty((hidden_states.shape[0], weight.shape[0]),
+                                   dtype=logits_dtype)
+
+
 def _check_extent(op, name, value):
     torch._check(value >= 0, lambda: f"{op}: {name} must be >= 0, got {value}")
 

@@ -15,6 +15,7 @@ __all__ = [
     "biased_grouped_topk_out",
     "build_info",
     "cpu_isa",
+    "router_gemm",
     "set_cpu_isa",
     "zero_tail_",
     "zero_tail_tracked_",
@@ -114,6 +115,39 @@ def biased_grouped_topk_out(
     )
 
 
+def router_gemm(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Router (gate) logits ``hidden_states @ weight.T`` with fp32 accumulation, SPEC.md §2.
+
+    The product a MoE gate computes, returned directly in fp32: no upcast of the inputs, no
+    bf16 GEMM result to widen afterwards. On the CPU the weight is read in its ``nn.Linear``
+    layout, once per call whatever the number of tokens; the instruction set is chosen at run
+    time (AVX512-BF16 dot products, AVX-512 or AVX2 FMAs on bf16 widened by shifting, or
+    portable C++).
+    On the AVX512-BF16 path bf16 denormals (magnitude below 2^-126) read as zero.
+
+    Args:
+        hidden_states: ``[num_tokens, hidden_size]`` bfloat16 (the fast path), float16 or
+            float32. ``num_tokens`` may be 0; rows may be strided (a slice of a wider buffer)
+            but each row must be contiguous.
+        weight: ``[num_experts, hidden_size]``, the same dtype, contiguous rows (the gate's
+            ``nn.Linear.weight`` as loaded).
+        out_dtype: ``None`` or ``torch.float32`` for fp32 logits; ``torch.bfloat16`` rounds
+            the fp32 sums once (nearest even) for a router that reads bf16.
+
+    Returns:
+        ``[num_tokens, num_experts]`` logits in ``out_dtype`` (float32 by default).
+
+    Raises:
+        RuntimeError: naming the offending argument, for a shape, dtype, device, stride or
+        ``out_dtype`` outside the contract.
+    """
+    return torch.ops.moeext.router_gemm(hidden_states, weight, out_dtype)
+
+
 def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
     """Zeroes rows ``[new_extent, prev_extent)`` of ``buf`` along dim 0, and nothing else.
 
@@ -206,12 +240,15 @@ def build_info() -> dict:
 
 
 def cpu_isa() -> str:
-    """The instruction-set path the CPU kernels use now (``"avx512"`` or ``"scalar"``)."""
+    """The instruction-set path the CPU kernels use now (``"avx512bf16"``, ``"avx512"``,
+    ``"avx2"`` or ``"scalar"``)."""
     return _C.cpu_isa()
 
 
 def set_cpu_isa(isa: str) -> None:
-    """Forces the CPU kernels onto ``"scalar"`` or ``"avx512"``; ``"auto"`` picks the best.
+    """Forces the CPU kernels onto ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
+    ``"auto"`` picks the best. (``"avx2"`` and ``"avx512bf16"`` only change router_gemm: the
+    other kernels run their ``"scalar"`` and ``"avx512"`` code there.)
 
     The environment variable ``MOEEXT_CPU_ISA`` does the same at import time. Raises
     ValueError if this build or this CPU lacks the path.

@@ -9,9 +9,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["biased_grouped_topk", "routing_scores", "SCORING_FUNCS", "zero_tail_",
-           "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
-           "e8m0_unshuffle"]
+__all__ = ["biased_grouped_topk", "router_gemm", "routing_scores", "SCORING_FUNCS",
+           "zero_tail_", "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight",
+           "e8m0_shuffle", "e8m0_unshuffle"]
 
 SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
@@ -85,6 +85,21 @@ def biased_grouped_topk(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+def router_gemm(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Reference for ``moeext.router_gemm`` (SPEC.md section 2).
+
+    The exact product, computed in fp64 and rounded once to ``out_dtype`` (float32 if None).
+    A kernel accumulating in fp32 differs from it by its accumulation error only; the tests
+    bound that by a tolerance that grows with ``hidden_size``.
+    """
+    exact = hidden_states.double() @ weight.double().T
+    return exact.to(torch.float32 if out_dtype is None else out_dtype)
 
 
 def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:

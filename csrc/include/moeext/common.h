@@ -17,17 +17,21 @@ enum class DType : int8_t {
 enum class CpuIsa : int8_t {
   kAuto = -1,
   kScalar = 0,
-  kAvx512 = 1,
+  kAvx2 = 1,        // AVX2 + FMA + F16C: router_gemm only; the other kernels run scalar there
+  kAvx512 = 2,
+  kAvx512Bf16 = 3,  // AVX-512 plus vdpbf16ps (Zen 4/5, Cooper Lake, Sapphire Rapids)
 };
 
 // The best path this binary has and this CPU (and OS) supports.
 CpuIsa cpu_isa_best();
 // The path the CPU kernels use now: the best one unless forced, by set_cpu_isa() or by the
-// environment variable MOEEXT_CPU_ISA=scalar|avx512 read once at start.
+// environment variable MOEEXT_CPU_ISA=scalar|avx2|avx512|avx512bf16 read once at start.
 CpuIsa cpu_isa_active();
 // Forces a path (kAuto restores the best one). Returns false, changing nothing, when the
 // binary or the CPU lacks it.
 bool set_cpu_isa(CpuIsa isa);
 const char* cpu_isa_name(CpuIsa isa);
+// Whether this binary has the path and this CPU (and OS) runs it.
+bool cpu_isa_supported(CpuIsa isa);
 
 }  // namespace moeext

@@ -1,0 +1,37 @@
+// Router GEMM (SPEC.md section 2): launcher API.
+#pragma once
+
+#include <cstdint>
+
+#include "moeext/common.h"
+
+namespace moeext {
+
+// logits[t][e] = sum_h hidden[t][h] * weight[e][h], accumulated in fp32. All strides are in
+// elements; rows of both inputs are contiguous (stride 1 along hidden_size).
+struct RouterGemmParams {
+  const void* hidden_states = nullptr;  // [num_tokens, hidden_size]
+  int64_t hidden_row_stride = 0;
+  const void* weight = nullptr;  // [num_experts, hidden_size], the nn.Linear layout
+  int64_t weight_row_stride = 0;
+  DType input_dtype = DType::kBFloat16;  // of both inputs
+
+  void* logits = nullptr;  // [num_tokens, num_experts], columns contiguous
+  int64_t logits_row_stride = 0;
+  DType logits_dtype = DType::kFloat32;  // kFloat32, or kBFloat16 rounded once at the end
+
+  int64_t num_tokens = 0;
+  int64_t hidden_size = 0;
+  int64_t num_experts = 0;
+};
+
+// Computes the logits of experts [expert_begin, expert_end) for every token, on the calling
+// thread, reading those weight rows from memory once. Callers split the experts over their
+// own pool, so each thread streams a disjoint slice of the weight.
+void router_gemm_cpu(const RouterGemmParams& params, int64_t expert_begin, int64_t expert_end);
+
+// A split of the experts at multiples of this keeps every thread on whole tiles of the
+// active CPU path.
+int64_t router_gemm_expert_block();
+
+}  // namespace moeext

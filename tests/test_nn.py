@@ -1,0 +1,152 @@
+"""moeext.nn.GroupedTopKRouter: checkpoint loading, dtypes, routing, torch.compile."""
+
+import pytest
+import torch
+
+import moeext
+from moeext import reference
+from moeext.nn import GroupedTopKRouter
+from moeext.presets import PRESETS
+from routing_check import assert_routing_matches
+
+# The routing part of the public config.json files (Hugging Face format).
+DEEPSEEK_V3_CONFIG = dict(hidden_size=7168, n_routed_experts=256, n_group=8, topk_group=4,
+                          num_experts_per_tok=8, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          scoring_func="sigmoid", topk_method="noaux_tc")
+KIMI_K2_CONFIG = dict(hidden_size=7168, n_routed_experts=384, n_group=1, topk_group=1,
+                      num_experts_per_tok=8, routed_scaling_factor=2.827, norm_topk_prob=True,
+                      scoring_func="sigmoid", topk_method="noaux_tc")
+GLM_45_CONFIG = dict(hidden_size=5120, n_routed_experts=160, n_group=1, topk_group=1,
+                     num_experts_per_tok=8, routed_scaling_factor=2.5, norm_topk_prob=True)
+DEEPSEEK_V2_CONFIG = dict(hidden_size=5120, n_routed_experts=160, n_group=8, topk_group=3,
+                          num_experts_per_tok=6, routed_scaling_factor=16.0,
+                          norm_topk_prob=False, scoring_func="softmax",
+                          topk_method="group_limited_greedy")
+
+
+def deepseek_v3_gate_state_dict(layer=3, seed=0):
+    """A gate as the DeepSeek-V3 checkpoint stores it: bf16 weight, fp32 bias around +2."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = f"model.layers.{layer}.mlp.gate."
+    return {
+        prefix + "weight": (0.02 * torch.randn(256, 7168, generator=g)).bfloat16(),
+        prefix + "e_score_correction_bias": 2.05 + 0.03 * torch.randn(256, generator=g),
+    }
+
+
+class MoEBlock(torch.nn.Module):
+    """Just enough of a decoder layer for the checkpoint's key names to line up."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate
+
+
+def test_loads_a_deepseek_v3_gate_and_routes_like_the_reference():
+    state = deepseek_v3_gate_state_dict()
+    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG)
+    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": torch.nn.ModuleDict(
+        {"3": torch.nn.ModuleDict({"mlp": MoEBlock(router)})})})})
+    model.load_state_dict(state, strict=True)
+    weight = state["model.layers.3.mlp.gate.weight"]
+    bias = state["model.layers.3.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(router.weight, weight)
+    assert router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, bias)
+
+    hidden = torch.randn(2, 9, 7168, generator=torch.Generator().manual_seed(1)).bfloat16()
+    topk_weights, topk_ids, logits = router(hidden, return_logits=True)
+    expected_logits = reference.router_gemm(hidden.view(-1, 7168), weight)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=2e-3)
+    p = PRESETS["deepseek-v3"]
+    # Reference routing of the reference logits; near-exact ties may differ (routing_check).
+    assert_routing_matches(topk_weights, topk_ids, expected_logits, bias, **p.op_kwargs())
+    expected_w, _ = reference.biased_grouped_topk(expected_logits, bias, **p.op_kwargs())
+    torch.testing.assert_close(topk_weights, expected_w, rtol=1e-4, atol=1e-5)
+
+
+def test_bias_stays_fp32_through_dtype_casts():
+    router = GroupedTopKRouter.from_preset("kimi-k2", 64, dtype=torch.float32)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(2 + 2.0**-12 * torch.arange(384))
+    exact = router.e_score_correction_bias.clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.bfloat16(),
+                 lambda m: m.to("cpu", torch.bfloat16)):
+        router = cast(router)
+        assert router.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(router.e_score_correction_bias, exact)
+    assert router.weight.dtype == torch.bfloat16
+    # A bf16 bias round would have merged neighbours 2^-12 apart.
+    assert exact.bfloat16().unique().numel() < 384
+
+
+def test_loads_the_deepseek_inference_bias_name():
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 128)
+    bias = torch.randn(256)
+    router.load_state_dict({"weight": torch.zeros(256, 128, dtype=torch.bfloat16),
+                            "bias": bias}, strict=True)
+    assert torch.equal(router.e_score_correction_bias, bias)
+
+
+@pytest.mark.parametrize("config,expected", [
+    (DEEPSEEK_V3_CONFIG, "deepseek-v3"), (KIMI_K2_CONFIG, "kimi-k2"),
+    (GLM_45_CONFIG, "glm-4.5"), (DEEPSEEK_V2_CONFIG, "deepseek-v2"),
+])
+def test_from_config_matches_the_preset(config, expected):
+    router = GroupedTopKRouter.from_config(config)
+    p = PRESETS[expected]
+    assert (router.num_experts, router.num_expert_group, router.topk_group, router.top_k,
+            router.routed_scaling_factor, router.scoring_func, router.renormalize) == (
+        p.num_experts, p.num_expert_group, p.topk_group, p.topk, p.routed_scaling_factor,
+        p.scoring_func, p.renormalize)
+    assert router.hidden_size == config["hidden_size"]
+    assert (router.e_score_correction_bias is not None) == p.has_bias
+    assert ("e_score_correction_bias" in router.state_dict()) == p.has_bias
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_routes_like_the_reference(preset):
+    router = GroupedTopKRouter.from_preset(preset, 96)
+    if router.e_score_correction_bias is not None:
+        with torch.no_grad():
+            router.e_score_correction_bias.normal_(2.0, 0.05)
+    hidden = torch.randn(33, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    topk_weights, topk_ids, logits = router(hidden, return_logits=True)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, moeext.router_gemm(hidden, router.weight))
+    assert_routing_matches(topk_weights, topk_ids, logits, router.e_score_correction_bias,
+                           **PRESETS[preset].op_kwargs())
+
+
+def test_bf16_logits():
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 200, logits_dtype=torch.bfloat16)
+    hidden = torch.randn(5, 200).bfloat16()
+    _, _, logits = router(hidden, return_logits=True)
+    assert logits.dtype == torch.bfloat16
+    assert torch.equal(logits, moeext.router_gemm(hidden, router.weight, torch.bfloat16))
+    with pytest.raises(ValueError, match="logits_dtype must be torch.float32 or torch.bfloat16"):
+        GroupedTopKRouter(8, 4, logits_dtype=torch.float16)
+
+
+def test_hidden_states_of_the_wrong_dtype_raise():
+    router = GroupedTopKRouter.from_preset("glm-4.5", 64)
+    with pytest.raises(RuntimeError, match=r"router_gemm: weight must have the dtype of "
+                                           r"hidden_states \(Float\), got BFloat16"):
+        router(torch.randn(3, 64))
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_compile_fullgraph(logits_dtype):
+    torch._dynamo.reset()
+    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG | {"hidden_size": 256},
+                                           logits_dtype=logits_dtype)
+    with torch.no_grad():
+        router.e_score_correction_bias.normal_(2.0, 0.05)
+    compiled = torch.compile(router, fullgraph=True, dynamic=True)
+    for num_tokens in (1, 7, 40):
+        hidden = torch.randn(num_tokens, 256).bfloat16()
+        with torch.inference_mode():  # as engines run it: the ops have no autograd
+            expected = router(hidden, return_logits=True)
+            got = compiled(hidden, return_logits=True)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)

@@ -1,0 +1,203 @@
+"""moeext.router_gemm against the fp64 reference (SPEC.md section 2)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moeext
+from moeext import reference
+
+INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def make_inputs(num_tokens, hidden_size, num_experts, dtype=torch.bfloat16, seed=0):
+    """Hidden states of unit scale and a gate weight of DeepSeek-V3's init scale (~0.02)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, hidden_size, generator=g).to(dtype)
+    weight = (0.02 * torch.randn(num_experts, hidden_size, generator=g)).to(dtype)
+    return hidden, weight
+
+
+def fp32_tolerance(hidden, weight):
+    """Bound on the fp32 accumulation error of each logit, from H and the terms' magnitudes.
+
+    Rounding errors of an fp32 sum of H terms behave like a random walk: about
+    sqrt(H) * 2^-24 * sum|x_h * w_h| for any summation order (blocked or lane-wise orders
+    do better). Four times that is far below the error of bf16 logits (~2^-9 relative),
+    which test_fp32_logits_are_not_rounded_to_bf16 checks separately.
+    """
+    hidden_size = hidden.shape[1]
+    magnitude = hidden.double().abs() @ weight.double().abs().T
+    return 4 * math.sqrt(max(hidden_size, 1)) * 2.0**-24 * magnitude + 1e-30
+
+
+def assert_close_to_reference(got, hidden, weight, out_dtype=None):
+    expected_dtype = torch.float32 if out_dtype is None else out_dtype
+    assert got.shape == (hidden.shape[0], weight.shape[0])
+    assert got.dtype == expected_dtype and got.device == hidden.device
+    exact = hidden.double() @ weight.double().T
+    tolerance = fp32_tolerance(hidden, weight)
+    if expected_dtype == torch.bfloat16:
+        # Rounded once: within half a bf16 ulp of the fp32 sum, which is within tolerance.
+        _, exponent = torch.frexp(exact.abs().clamp_min(2.0**-126).float())
+        tolerance = tolerance + torch.ldexp(torch.ones_like(exact), exponent.double() - 9)
+    error = (got.double() - exact).abs()
+    worst = int(torch.argmax(error - tolerance)) if error.numel() else 0
+    assert bool((error <= tolerance).all()), (
+        f"max error {error.flatten()[worst]:.3g} > tolerance {tolerance.flatten()[worst]:.3g}")
+
+
+# The issue's sizes: the decode range and its edges (0, 1, 3, 16, 17) and a prefill chunk
+# (100); hidden sizes of DeepSeek-V3/Kimi-K2 (7168), Qwen3-Coder-480B (6144), GLM-4.5-Air
+# (4096) and an odd one; expert counts of DeepSeek-V3, Kimi-K2, GLM-4.5 and an odd one.
+HIDDEN_SIZES = [7168, 6144, 4096, 1000]
+NUM_EXPERTS = [256, 384, 160, 7]
+
+
+@pytest.mark.parametrize("num_experts", NUM_EXPERTS)
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 16, 17, 100])
+def test_matches_fp64_reference(num_tokens, hidden_size, num_experts):
+    hidden, weight = make_inputs(num_tokens, hidden_size, num_experts,
+                                 seed=num_tokens + hidden_size + num_experts)
+    assert_close_to_reference(moeext.router_gemm(hidden, weight), hidden, weight)
+
+
+@pytest.mark.parametrize("hidden_size,num_experts", [(7168, 256), (6144, 384), (4096, 160),
+                                                     (1000, 7)])
+def test_prefill_2048_tokens(hidden_size, num_experts):
+    hidden, weight = make_inputs(2048, hidden_size, num_experts, seed=hidden_size)
+    assert_close_to_reference(moeext.router_gemm(hidden, weight), hidden, weight)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden_size,num_experts", [
+    (1, 1000, 7), (3, 7168, 9), (17, 33, 160), (5, 32, 4), (6, 31, 5), (2, 1, 3), (4, 0, 6),
+    (9, 65, 0), (16, 2048, 13),
+])
+def test_every_cpu_path(cpu_isa, dtype, out_dtype, num_tokens, hidden_size, num_experts):
+    """Tile edges (tokens and experts not multiples of the tile), every K tail, H = 0 and 1."""
+    hidden, weight = make_inputs(num_tokens, hidden_size, num_experts, dtype, seed=hidden_size)
+    got = moeext.router_gemm(hidden, weight, out_dtype)
+    assert_close_to_reference(got, hidden, weight, out_dtype)
+    if hidden_size == 0:
+        assert bool((got == 0).all())
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+def test_bf16_logits_are_the_fp32_logits_rounded_once(cpu_isa, dtype):
+    hidden, weight = make_inputs(37, 2000, 50, dtype)
+    fp32 = moeext.router_gemm(hidden, weight)
+    bf16 = moeext.router_gemm(hidden, weight, torch.bfloat16)
+    assert torch.equal(bf16, fp32.to(torch.bfloat16))
+
+
+def test_fp32_logits_are_not_rounded_to_bf16():
+    """What the op is for: fp32 logits much closer to exact than a bf16 GEMM's."""
+    hidden, weight = make_inputs(16, 7168, 256)
+    exact = reference.router_gemm(hidden, weight).double()
+    ours = (moeext.router_gemm(hidden, weight).double() - exact).abs().max()
+    bf16_gemm = (F.linear(hidden, weight).double() - exact).abs().max()
+    assert ours < bf16_gemm / 50, (ours, bf16_gemm)
+
+
+def test_paths_agree(cpu_isa):
+    """Every path is within the same tolerance of the reference at DeepSeek-V3's shape."""
+    hidden, weight = make_inputs(4, 7168, 256, seed=3)
+    assert_close_to_reference(moeext.router_gemm(hidden, weight), hidden, weight)
+
+
+def test_strided_rows_read_nothing_outside_the_view(cpu_isa):
+    """Row-strided inputs (slices of wider buffers) whose padding is NaN: masked tails must
+    not read it, and the logits land in a fresh contiguous tensor."""
+    hidden, weight = make_inputs(13, 1001, 9)
+    hidden_buf = torch.full((26, 1040), float("nan"), dtype=torch.bfloat16)
+    hidden_buf[::2, :1001] = hidden
+    weight_buf = torch.full((9, 1100), float("nan"), dtype=torch.bfloat16)
+    weight_buf[:, :1001] = weight
+    strided_hidden, strided_weight = hidden_buf[::2, :1001], weight_buf[:, :1001]
+    assert strided_hidden.stride() == (2080, 1) and strided_weight.stride() == (1100, 1)
+    got = moeext.router_gemm(strided_hidden, strided_weight)
+    assert got.is_contiguous()
+    assert_close_to_reference(got, hidden, weight)
+
+
+def test_non_finite_inputs_propagate(cpu_isa):
+    hidden, weight = make_inputs(6, 100, 10, torch.float32)
+    hidden[1, 50] = float("nan")
+    hidden[3, 99] = float("inf")  # in the K tail of every vector width
+    weight[7, 0] = float("inf")
+    got = moeext.router_gemm(hidden, weight)
+    exact = reference.router_gemm(hidden, weight)
+    assert torch.equal(torch.isnan(got), torch.isnan(exact))
+    assert torch.equal(torch.isinf(got), torch.isinf(exact))
+    finite = torch.isfinite(exact)
+    torch.testing.assert_close(got[finite], exact[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    """Threads split the experts, never H: each logit is summed in one fixed order."""
+    hidden, weight = make_inputs(5, 7168, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = moeext.router_gemm(hidden, weight)
+        torch.set_num_threads(max(2, threads))
+        multi = moeext.router_gemm(hidden, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+
+
+def test_reference_is_the_exact_product_rounded_once():
+    # An fp32 left-to-right sum gives (1 + 2^-30) - 1 = 0; the reference keeps 2^-30.
+    hidden = torch.tensor([[1.0, 2.0**-30, -1.0]], dtype=torch.float32)
+    weight = torch.ones(1, 3)
+    assert float(reference.router_gemm(hidden, weight)) == 2.0**-30
+    assert reference.router_gemm(hidden, weight, torch.bfloat16).dtype == torch.bfloat16
+
+
+ERROR_CASES = [
+    (lambda: (torch.randn(4), torch.randn(3, 4), None),
+     r"router_gemm: hidden_states must be 2-D \[num_tokens, hidden_size\], got shape \[4\]"),
+    (lambda: (torch.randn(2, 4), torch.randn(3, 4, 1), None),
+     r"router_gemm: weight must be 2-D \[num_experts, hidden_size\], got shape \[3, 4, 1\]"),
+    (lambda: (torch.randn(2, 4).double(), torch.randn(3, 4).double(), None),
+     r"router_gemm: hidden_states must be float32, bfloat16 or float16, got Double"),
+    (lambda: (torch.randn(2, 4).bfloat16(), torch.randn(3, 4), None),
+     r"router_gemm: weight must have the dtype of hidden_states \(BFloat16\), got Float"),
+    (lambda: (torch.randn(2, 4), torch.randn(3, 5), None),
+     r"router_gemm: weight must have shape \[num_experts, 4\] \(hidden_size of hidden_states\), "
+     r"got \[3, 5\]"),
+    (lambda: (torch.randn(4, 2).T, torch.randn(3, 4), None),
+     r"router_gemm: hidden_states must have contiguous rows \(stride\(1\) == 1\)"),
+    (lambda: (torch.randn(2, 4), torch.randn(4, 3).T, None),
+     r"router_gemm: weight must have contiguous rows \(stride\(1\) == 1\)"),
+    (lambda: (torch.randn(2, 4), torch.randn(3, 4), torch.float16),
+     r"router_gemm: out_dtype must be float32 or bfloat16 \(or None for float32\), got Half"),
+    (lambda: (torch.randn(2, 4), torch.randn(3, 4, device="meta"), None),
+     r"router_gemm: weight is on meta but hidden_states is on cpu"),
+]
+
+
+@pytest.mark.parametrize("make_args,message", ERROR_CASES)
+def test_errors_name_the_argument(make_args, message):
+    with pytest.raises(RuntimeError, match=message):
+        moeext.router_gemm(*make_args())
+
+
+# Strides are the kernel's concern (the fake's outputs are fresh tensors), and the device
+# case needs one real device.
+FAKE_ERROR_CASES = [c for c in ERROR_CASES[:-1] if "contiguous rows" not in c[1]]
+
+
+@pytest.mark.parametrize("make_args,message", FAKE_ERROR_CASES)
+def test_fake_rejects_what_the_kernel_rejects(make_args, message):
+    hidden, weight, out_dtype = make_args()
+    # Up to the dtype names, which Python and C++ spell differently.
+    prefix = message.split(", got")[0].split(r" \(")[0]
+    with pytest.raises(RuntimeError, match=prefix):
+        moeext.router_gemm(hidden.to("meta"), weight.to("meta"), out_dtype)
