@@ -4,7 +4,7 @@
 // where bytes is an explicit model of the bytes each call must read and write, and peak is a
 // streaming copy measured by this binary in the same run.
 //
-//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx512] [--threads N]
+//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16] [--threads N]
 #include <omp.h>
 
 #include <algorithm>
@@ -22,6 +22,7 @@
 #include "moeext/common.h"
 #include "moeext/grouped_topk.h"
 #include "moeext/mxfp4_shuffle.h"
+#include "moeext/router_gemm.h"
 #include "moeext/zero_tail.h"
 
 namespace {
@@ -222,6 +223,62 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
   }
 }
 
+struct GemmData {
+  std::vector<std::vector<uint16_t>> weights;  // bf16 [E, H], one set per rotation
+  std::vector<uint16_t> hidden;                // bf16 [T, H]
+  std::vector<float> logits;
+};
+
+void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
+  const int64_t hidden = 7168;
+  const std::vector<int64_t> tokens =
+      opt.quick ? std::vector<int64_t>{1, 16} : std::vector<int64_t>{1, 4, 16, 64, 256};
+  for (int64_t experts : {int64_t(256), int64_t(384)}) {
+    for (int64_t t : tokens) {
+      auto data = std::make_shared<GemmData>();
+      const double weight_bytes = double(experts * hidden * 2);
+      // The weight is what streams from memory; rotate it so T = 1 reads DRAM, not the LLC.
+      const int rot = rotations_for(weight_bytes);
+      std::mt19937 gen(uint32_t(experts + t));
+      std::normal_distribution<float> normal;
+      data->weights.resize(size_t(rot));
+      for (auto& w : data->weights) {
+        w.resize(size_t(experts * hidden));
+        for (auto& v : w) v = to_bf16(0.02f * normal(gen));
+      }
+      data->hidden.resize(size_t(t * hidden));
+      for (auto& v : data->hidden) v = to_bf16(normal(gen));
+      data->logits.resize(size_t(t * experts));
+      moeext::RouterGemmParams p;
+      p.hidden_states = data->hidden.data();
+      p.hidden_row_stride = hidden;
+      p.weight_row_stride = hidden;
+      p.logits = data->logits.data();
+      p.logits_row_stride = experts;
+      p.num_tokens = t;
+      p.hidden_size = hidden;
+      p.num_experts = experts;
+      const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
+      cases.push_back({"router_gemm",
+                       "E=" + std::to_string(experts) + " H=7168 T=" + std::to_string(t), bytes,
+                       rot, [data, p](int i) mutable {
+                         p.weight = data->weights[size_t(i)].data();
+                         // Split the experts over the threads in whole tiles, as the binding.
+                         const int64_t block = moeext::router_gemm_expert_block();
+                         const int64_t blocks = (p.num_experts + block - 1) / block;
+                         const int64_t threads = omp_get_max_threads();
+                         const int64_t per = (blocks + threads - 1) / threads * block;
+#pragma omp parallel for schedule(static)
+                         for (int64_t c = 0; c < threads; ++c) {
+                           const int64_t begin = c * per;
+                           const int64_t end = std::min(p.num_experts, begin + per);
+                           if (begin < end) moeext::router_gemm_cpu(p, begin, end);
+                         }
+                       }});
+    }
+  }
+}
+
 void add_shuffles(std::vector<Case>& cases, const Options& opt) {
   // A DeepSeek-V3-sized w13 slice: experts x [4096, 3584] packed fp4 bytes (K = 7168).
   const int64_t experts = opt.quick ? 2 : 8, rows = 4096, row_bytes = 3584;
@@ -298,7 +355,7 @@ void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
 
 int usage(const char* argv0) {
   std::fprintf(stderr,
-               "usage: %s [--quick] [--csv] [--filter REGEX] [--isa scalar|avx512] "
+               "usage: %s [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16] "
                "[--threads N]\n",
                argv0);
   return 2;
@@ -318,9 +375,11 @@ int main(int argc, char** argv) {
       opt.filter = std::regex(argv[++i]);
     } else if (arg == "--isa" && i + 1 < argc) {
       const std::string isa = argv[++i];
-      const auto want = isa == "scalar" ? moeext::CpuIsa::kScalar
-                        : isa == "avx512" ? moeext::CpuIsa::kAvx512
-                                          : moeext::CpuIsa::kAuto;
+      const auto want = isa == "scalar"       ? moeext::CpuIsa::kScalar
+                        : isa == "avx2"       ? moeext::CpuIsa::kAvx2
+                        : isa == "avx512"     ? moeext::CpuIsa::kAvx512
+                        : isa == "avx512bf16" ? moeext::CpuIsa::kAvx512Bf16
+                                              : moeext::CpuIsa::kAuto;
       if (!moeext::set_cpu_isa(want)) {
         std::fprintf(stderr, "--isa %s: not available on this CPU or build\n", isa.c_str());
         return 2;
@@ -334,6 +393,7 @@ int main(int argc, char** argv) {
 
   std::vector<Case> all;
   add_grouped_topk(all, opt);
+  add_router_gemm(all, opt);
   add_shuffles(all, opt);
   add_zero_tail(all, opt);
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import moeext  # noqa: E402,F401
-from bench_grouped_topk import machine_line, median_seconds  # noqa: E402
+from common import Row, machine_line, median_seconds  # noqa: E402
 
 HIDDEN_SIZE = 7168
 EXPERTS = [256, 384]
@@ -57,6 +57,22 @@ def measure(num_experts, num_tokens, min_time, rounds):
         for name, fn in fns.items():
             best[name] = min(best[name], median_seconds(fn, min_time / rounds))
     return best
+
+
+BASELINES = {"linear bf16": "F.linear bf16 (bf16 out)", "linear fp32": "F.linear fp32, w pre-upcast",
+             "upcast/call": "F.linear, upcast per call", "read bound": "read the weight once"}
+
+
+def rows(quick=False):
+    """Rows for run_all.py: moeext fp32 logits against each baseline, E in EXPERTS."""
+    experts, tokens = ([256], [1, 16]) if quick else (EXPERTS, TOKENS)
+    min_time, rounds = (0.05, 1) if quick else (0.6, 3)
+    for num_experts in experts:
+        for num_tokens in tokens:
+            t = measure(num_experts, num_tokens, min_time, rounds)
+            for name, label in BASELINES.items():
+                yield Row("router_gemm", f"E={num_experts} H={HIDDEN_SIZE} T={num_tokens}",
+                          t["moeext fp32"], label, t[name], x=num_tokens)
 
 
 def main(argv=None):

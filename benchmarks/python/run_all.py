@@ -20,10 +20,11 @@ sys.path.insert(0, str(HERE))
 
 import bench_grouped_topk  # noqa: E402
 import bench_mxfp4_shuffle  # noqa: E402
+import bench_router_gemm  # noqa: E402
 import bench_zero_tail  # noqa: E402
 from common import machine_line  # noqa: E402
 
-SUITES = [bench_grouped_topk, bench_zero_tail, bench_mxfp4_shuffle]
+SUITES = [bench_grouped_topk, bench_router_gemm, bench_zero_tail, bench_mxfp4_shuffle]
 README = HERE.parents[1] / "README.md"
 BEGIN, END = "<!-- perf:begin (benchmarks/python/run_all.py --update-readme) -->", "<!-- perf:end -->"
 
