@@ -3,6 +3,10 @@
 // so there is no per-ISA copy of this file. Every loop writes its output sequentially.
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "moeext/mxfp4_shuffle.h"
 
 namespace moeext {
@@ -56,6 +60,37 @@ constexpr TileSource make_tile_source() {
 }
 constexpr TileSource kTileSource = make_tile_source();
 
+// The 256-byte block of one tile (row i = h*16 + c4 is the 8 bytes at rows[i]). With SSE2 (every x86-64):
+// interleaving row c4 with row 16 + c4 bytewise gives the pairs (h = 0, h = 1) of each column;
+// pairing column f with column 4 + f makes the 4-byte word q_f that lands at f*64 + c4*4;
+// a 4x4 transpose of those words over four rows c4 then yields 16 contiguous output bytes.
+inline void permute_tile(const uint8_t* const* rows, uint8_t* out) {
+#if defined(__SSE2__)
+  for (int g = 0; g < 4; ++g) {
+    __m128i q[4];
+    for (int r = 0; r < 4; ++r) {
+      const int c4 = g * 4 + r;
+      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[c4]));
+      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[16 + c4]));
+      const __m128i pairs = _mm_unpacklo_epi8(lo, hi);             // p0 .. p7
+      q[r] = _mm_unpacklo_epi16(pairs, _mm_srli_si128(pairs, 8));  // q_f = (p_f, p_{4+f})
+    }
+    const __m128i t0 = _mm_unpacklo_epi32(q[0], q[1]), t1 = _mm_unpacklo_epi32(q[2], q[3]);
+    const __m128i t2 = _mm_unpackhi_epi32(q[0], q[1]), t3 = _mm_unpackhi_epi32(q[2], q[3]);
+    const __m128i by_f[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
+                             _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
+    for (int f = 0; f < 4; ++f) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + f * 64 + g * 16), by_f[f]);
+    }
+  }
+#else
+  for (int q = 0; q < 256; ++q) {
+    const int i = kTileSource.index[q] / 8, j = kTileSource.index[q] % 8;
+    out[q] = rows[i][j];
+  }
+#endif
+}
+
 // Padded row r of the (interleaved) scale matrix -> source row, or -1 for padding.
 inline int64_t scale_source_row(const E8m0ShuffleParams& p, int64_t r) {
   if (r >= p.m) return -1;
@@ -80,22 +115,26 @@ void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t b
       src_rows[i] = src < 0 ? nullptr : p.scale + src * p.row_stride;
     }
     uint8_t* out = p.shuffled + a * 32 * p.padded_n;
+    bool all_rows = true;
+    for (int64_t i = 0; i < 32; ++i) all_rows = all_rows && src_rows[i] != nullptr;
     for (int64_t d = 0; d < p.padded_n / 8; ++d, out += 256) {
-      uint8_t tile[256];  // [row i][column j] of this 32 x 8 group
       const int64_t c0 = d * 8;
-      for (int64_t i = 0; i < 32; ++i) {
-        uint8_t* dst = tile + i * 8;
-        if (src_rows[i] != nullptr && c0 + 8 <= p.n && p.col_stride == 1) {
-          std::memcpy(dst, src_rows[i] + c0, 8);
-          continue;
-        }
-        for (int64_t j = 0; j < 8; ++j) {
-          const int64_t c = c0 + j;
-          dst[j] = (src_rows[i] != nullptr && c < p.n) ? src_rows[i][c * p.col_stride]
-                                                       : kPadScale;
+      const uint8_t* rows[32];
+      uint8_t tile[256];  // padded copy, only for edge tiles and strided columns
+      if (all_rows && c0 + 8 <= p.n && p.col_stride == 1) {
+        for (int64_t i = 0; i < 32; ++i) rows[i] = src_rows[i] + c0;
+      } else {
+        for (int64_t i = 0; i < 32; ++i) {
+          for (int64_t j = 0; j < 8; ++j) {
+            const int64_t c = c0 + j;
+            tile[i * 8 + j] = (src_rows[i] != nullptr && c < p.n)
+                                  ? src_rows[i][c * p.col_stride]
+                                  : kPadScale;
+          }
+          rows[i] = tile + i * 8;
         }
       }
-      for (int q = 0; q < 256; ++q) out[q] = tile[kTileSource.index[q]];
+      permute_tile(rows, out);
     }
   }
 }
