@@ -11,6 +11,11 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
 
+def _check_float_dtype(op, name, t):
+    torch._check(t.dtype in _FLOAT_DTYPES,
+                 lambda: f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
 def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group,
                         topk, scoring_func):
     torch._check(
@@ -18,9 +23,7 @@ def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, to
         lambda: f"{op}: gating_output must be 2-D [num_tokens, num_experts], got shape "
         f"{list(gating_output.shape)}",
     )
-    torch._check(gating_output.dtype in _FLOAT_DTYPES,
-                 lambda: f"{op}: gating_output must be float32, bfloat16 or float16, got "
-                 f"{gating_output.dtype}")
+    _check_float_dtype(op, "gating_output", gating_output)
     num_experts = gating_output.shape[1]
     torch._check(num_expert_group >= 1,
                  lambda: f"{op}: num_expert_group must be >= 1, got {num_expert_group}")
@@ -39,9 +42,7 @@ def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, to
         torch._check(correction_bias.dim() == 1 and correction_bias.shape[0] == num_experts,
                      lambda: f"{op}: correction_bias must have shape [{num_experts}], got "
                      f"{list(correction_bias.shape)}")
-        torch._check(correction_bias.dtype in _FLOAT_DTYPES,
-                     lambda: f"{op}: correction_bias must be float32, bfloat16 or float16, "
-                     f"got {correction_bias.dtype}")
+        _check_float_dtype(op, "correction_bias", correction_bias)
         torch._check(correction_bias.device == gating_output.device,
                      lambda: f"{op}: correction_bias is on {correction_bias.device} but "
                      f"gating_output is on {gating_output.device}")
@@ -94,9 +95,7 @@ def _router_gemm_fake(hidden_states, weight, out_dtype=None):
     torch._check(weight.dim() == 2,
                  lambda: f"{op}: weight must be 2-D [num_experts, hidden_size], got shape "
                  f"{list(weight.shape)}")
-    torch._check(hidden_states.dtype in _FLOAT_DTYPES,
-                 lambda: f"{op}: hidden_states must be float32, bfloat16 or float16, got "
-                 f"{hidden_states.dtype}")
+    _check_float_dtype(op, "hidden_states", hidden_states)
     torch._check(weight.dtype == hidden_states.dtype,
                  lambda: f"{op}: weight must have the dtype of hidden_states "
                  f"({hidden_states.dtype}), got {weight.dtype}")
