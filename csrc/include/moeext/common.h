@@ -4,7 +4,20 @@
 
 #include <cstdint>
 
+// Functions the host and the GPU kernels share (key packing, index arithmetic) are marked
+// with this, so the host build, and its unit tests, compile the very code the device runs.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define MOEEXT_HOST_DEVICE __host__ __device__
+#else
+#define MOEEXT_HOST_DEVICE
+#endif
+
 namespace moeext {
+
+// Every *_cuda launcher enqueues its work on `stream` (a cudaStream_t, or a hipStream_t
+// when built as HIP) on the current device, allocates nothing, never synchronises, and
+// returns nullptr, or the runtime's message when a launch failed.
+using GpuError = const char*;
 
 // The element types a kernel may be asked to read. The bindings map torch dtypes onto these.
 enum class DType : int8_t {

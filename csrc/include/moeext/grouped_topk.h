@@ -46,4 +46,11 @@ struct BiasedGroupedTopkParams {
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& params, int64_t row_begin,
                              int64_t row_end);
 
+// Routes every token on the GPU. Topologies past the fast path's limits (see
+// biased_grouped_topk_cuda_limit) are not launched: the caller checks first.
+GpuError biased_grouped_topk_cuda(const BiasedGroupedTopkParams& params, void* stream);
+
+// nullptr when the GPU kernels route this topology, else a message naming the limit.
+const char* biased_grouped_topk_cuda_limit(const BiasedGroupedTopkParams& params);
+
 }  // namespace moeext

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "moeext/common.h"
+
 namespace moeext {
 
 // shuffle_weight / unshuffle_weight. The "logical" tensor is [batch, rows, row_bytes] with
@@ -52,9 +54,15 @@ struct E8m0ShuffleParams {
 void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t block_end);
 void e8m0_unshuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t block_end);
 
+// The same four transforms on the GPU, whole tensors at once.
+GpuError shuffle_weight_cuda(const ShuffleWeightParams& p, void* stream);
+GpuError unshuffle_weight_cuda(const ShuffleWeightParams& p, void* stream);
+GpuError e8m0_shuffle_cuda(const E8m0ShuffleParams& p, void* stream);
+GpuError e8m0_unshuffle_cuda(const E8m0ShuffleParams& p, void* stream);
+
 // Row of the un-interleaved tensor that interleaved row `row` comes from: 16-row blocks
 // alternate gate (first half of each group of rows_per_group) and up (second half).
-inline int64_t gate_up_source_row(int64_t row, int64_t rows_per_group) {
+MOEEXT_HOST_DEVICE inline int64_t gate_up_source_row(int64_t row, int64_t rows_per_group) {
   const int64_t group = row / rows_per_group;
   const int64_t local = row % rows_per_group;
   const int64_t block = local / 16;

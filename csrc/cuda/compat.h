@@ -1,0 +1,173 @@
+// The one place where CUDA and HIP differ for moeext's kernels. Every .cu under csrc/cuda/
+// includes this instead of a runtime header, and the same sources build with nvcc or as HIP
+// (hipcc, or clang -x hip).
+#pragma once
+
+#include <cstdint>
+
+#include "moeext/common.h"
+
+// Only the runtime header: the 16-bit float types are moeext's own below, so the sources
+// need neither cuda_bf16.h nor hip_bf16.h (the HIP headers that ship with triton, used for
+// the device-only compile check, have no hip_bf16.h).
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#define MOEEXT_HIP 1
+#include <hip/hip_runtime.h>
+#else
+#include <cuda_runtime.h>
+#endif
+
+namespace moeext::gpu {
+
+// Storage-only 16-bit floats, read by widening. bf16 is the top half of an fp32, so widening
+// is a shift; fp16 widens with the hardware conversion.
+struct alignas(2) bf16 {
+  uint16_t bits;
+};
+struct alignas(2) fp16 {
+  uint16_t bits;
+};
+
+MOEEXT_HOST_DEVICE inline uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+MOEEXT_HOST_DEVICE inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __uint_as_float(u);
+#else
+  float x;
+  __builtin_memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+MOEEXT_HOST_DEVICE inline float to_float(float x) { return x; }
+MOEEXT_HOST_DEVICE inline float to_float(bf16 x) { return bits_float(uint32_t(x.bits) << 16); }
+
+// Round to nearest even, NaN kept NaN (quiet): the one rounding a bf16 output gets.
+MOEEXT_HOST_DEVICE inline bf16 to_bf16(float x) {
+  const uint32_t u = float_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x0040u)};
+  return bf16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+
+#if defined(MOEEXT_HIP)
+using Stream = hipStream_t;
+using Error = hipError_t;
+constexpr Error kSuccess = hipSuccess;
+inline Error last_error() { return hipGetLastError(); }
+inline const char* error_string(Error e) { return hipGetErrorString(e); }
+inline Error current_device(int* device) { return hipGetDevice(device); }
+inline Error device_attribute(int* value, hipDeviceAttribute_t attr, int device) {
+  return hipDeviceGetAttribute(value, attr, device);
+}
+constexpr hipDeviceAttribute_t kAttrWarpSize = hipDeviceAttributeWarpSize;
+constexpr hipDeviceAttribute_t kAttrMultiprocessorCount = hipDeviceAttributeMultiprocessorCount;
+inline Error memset_async(void* dst, int value, size_t bytes, Stream stream) {
+  return hipMemsetAsync(dst, value, bytes, stream);
+}
+inline Error memset_2d_async(void* dst, size_t pitch, int value, size_t width, size_t height,
+                             Stream stream) {
+  return hipMemset2DAsync(dst, pitch, value, width, height, stream);
+}
+#else
+using Stream = cudaStream_t;
+using Error = cudaError_t;
+constexpr Error kSuccess = cudaSuccess;
+inline Error last_error() { return cudaGetLastError(); }
+inline const char* error_string(Error e) { return cudaGetErrorString(e); }
+inline Error current_device(int* device) { return cudaGetDevice(device); }
+inline Error device_attribute(int* value, cudaDeviceAttr attr, int device) {
+  return cudaDeviceGetAttribute(value, attr, device);
+}
+constexpr cudaDeviceAttr kAttrWarpSize = cudaDevAttrWarpSize;
+constexpr cudaDeviceAttr kAttrMultiprocessorCount = cudaDevAttrMultiProcessorCount;
+inline Error memset_async(void* dst, int value, size_t bytes, Stream stream) {
+  return cudaMemsetAsync(dst, value, bytes, stream);
+}
+inline Error memset_2d_async(void* dst, size_t pitch, int value, size_t width, size_t height,
+                             Stream stream) {
+  return cudaMemset2DAsync(dst, pitch, value, width, height, stream);
+}
+#endif
+
+// The launcher API passes streams as void* so that it needs no GPU header.
+inline Stream as_stream(void* stream) { return static_cast<Stream>(stream); }
+
+// nullptr after a good launch, else the runtime's message (the launcher API's GpuError).
+inline GpuError launch_status() {
+  const Error e = last_error();
+  return e == kSuccess ? nullptr : error_string(e);
+}
+
+// Warp (wavefront) width. On the device it is a compile-time constant of the target: 32 on
+// NVIDIA and on RDNA, 64 on CDNA (gfx90a, gfx942). The host must never assume one: it asks
+// the device (warp_size_of_current_device) and picks the kernel instance for that width.
+#if defined(MOEEXT_HIP) && defined(__HIP_DEVICE_COMPILE__)
+#if defined(__GFX9__)
+#define MOEEXT_DEVICE_WARP_SIZE 64
+#else
+#define MOEEXT_DEVICE_WARP_SIZE 32
+#endif
+#else
+#define MOEEXT_DEVICE_WARP_SIZE 32
+#endif
+
+// Lane masks are 64-bit on HIP (wave64) and 32-bit on CUDA.
+#if defined(MOEEXT_HIP)
+using LaneMask = uint64_t;
+#else
+using LaneMask = uint32_t;
+#endif
+
+// Butterfly shuffle across the whole warp. HIP's __shfl_xor takes no mask (every lane of the
+// wavefront takes part); CUDA's needs the full 32-lane mask.
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T value, int lane_mask) {
+#if defined(MOEEXT_HIP)
+  return __shfl_xor(value, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ T shfl(T value, int src_lane) {
+#if defined(MOEEXT_HIP)
+  return __shfl(value, src_lane);
+#else
+  return __shfl_sync(0xffffffffu, value, src_lane);
+#endif
+}
+
+// Bit i set for each lane i whose predicate holds (LaneMask wide).
+__device__ __forceinline__ LaneMask ballot(bool predicate) {
+#if defined(MOEEXT_HIP)
+  return __ballot(predicate);
+#else
+  return __ballot_sync(0xffffffffu, predicate);
+#endif
+}
+
+__device__ __forceinline__ float to_float(fp16 x) {
+#if defined(MOEEXT_HIP)
+  return float(__builtin_bit_cast(_Float16, x.bits));
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+#endif
+}
+
+// Host-side warp width of the current device, asked once per device and cached.
+int warp_size_of_current_device();
+int multiprocessor_count_of_current_device();
+
+}  // namespace moeext::gpu
