@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "moeext/common.h"
+
 namespace moeext {
 
 // Rows [row_begin, row_end) of a buffer whose rows are contiguous byte ranges. Strides are
