@@ -130,13 +130,6 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-bool leading_dims_flatten(const at::Tensor& t) {
-  for (int64_t d = t.dim() - 4; d >= 0; --d) {
-    if (t.size(d) != 1 && t.stride(d) != t.stride(d + 1) * t.size(d + 1)) return false;
-  }
-  return true;
-}
-
 // The shuffles stream at memory speed; ~1 MiB per task amortises a thread wake-up.
 int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, bytes_per_item));
@@ -149,11 +142,7 @@ at::Tensor shuffle_weight_impl(const at::Tensor& w, at::IntArrayRef layout, bool
   at::Tensor out = at::empty(w.sizes(), w.options().memory_format(at::MemoryFormat::Contiguous));
   advise_huge_pages(out);
   if (!inverse) {
-    // The kernel reads any row and batch strides; a strided last dim, or leading dims that
-    // do not flatten into one stride, need a dense copy first.
-    const at::Tensor src = (w.dim() >= 2 && w.stride(-1) == 1 && leading_dims_flatten(w))
-                               ? w
-                               : w.contiguous();
+    const at::Tensor src = shuffle_weight_source(w);
     const ShuffleWeightParams p =
         make_shuffle_weight_params(src, out.data_ptr(), layout, gate_up, op);
     at::parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
@@ -181,14 +170,9 @@ at::Tensor e8m0_shuffle_cpu_op(const at::Tensor& scale, bool gate_up,
                                std::optional<int64_t> num_experts) {
   constexpr const char* op = "e8m0_shuffle";
   check_cpu(scale, op, "scale");
-  TORCH_CHECK(scale.dim() == 2, op, ": scale must be 2-D [m, n], got shape ", scale.sizes());
-  check_scale_dtype(scale, op, "scale");
-  E8m0ShuffleParams p = make_e8m0_params(scale.size(0), scale.size(1), gate_up, num_experts, op);
+  E8m0ShuffleParams p = make_e8m0_shuffle_params(scale, gate_up, num_experts, op);
   at::Tensor out = at::empty({p.padded_m, p.padded_n}, scale.options());
   advise_huge_pages(out);
-  p.scale = static_cast<const uint8_t*>(scale.data_ptr());
-  p.row_stride = scale.stride(0);
-  p.col_stride = scale.stride(1);
   p.shuffled = static_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
                    [&](int64_t begin, int64_t end) { e8m0_shuffle_cpu(p, begin, end); });
@@ -199,13 +183,7 @@ at::Tensor e8m0_unshuffle_cpu_op(const at::Tensor& shuffled, int64_t m, int64_t 
                                  std::optional<int64_t> num_experts) {
   constexpr const char* op = "e8m0_unshuffle";
   check_cpu(shuffled, op, "shuffled");
-  check_scale_dtype(shuffled, op, "shuffled");
-  TORCH_CHECK(m >= 0 && n >= 0, op, ": m and n must be >= 0, got m=", m, ", n=", n);
-  E8m0ShuffleParams p = make_e8m0_params(m, n, gate_up, num_experts, op);
-  TORCH_CHECK(shuffled.dim() == 2 && shuffled.size(0) == p.padded_m &&
-                  shuffled.size(1) == p.padded_n,
-              op, ": shuffled must have the padded shape [", p.padded_m, ", ", p.padded_n,
-              "] of an [", m, ", ", n, "] scale, got ", shuffled.sizes());
+  E8m0ShuffleParams p = make_e8m0_unshuffle_params(shuffled, m, n, gate_up, num_experts, op);
   const at::Tensor src = shuffled.contiguous();
   at::Tensor out = at::empty({m, n}, shuffled.options());
   p.shuffled_in = static_cast<const uint8_t*>(src.data_ptr());

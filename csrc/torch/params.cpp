@@ -245,6 +245,23 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
   return p;
 }
 
+namespace {
+
+bool leading_dims_flatten(const at::Tensor& t) {
+  for (int64_t d = t.dim() - 4; d >= 0; --d) {
+    if (t.size(d) != 1 && t.stride(d) != t.stride(d + 1) * t.size(d + 1)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+at::Tensor shuffle_weight_source(const at::Tensor& w) {
+  return (w.dim() >= 2 && w.stride(-1) == 1 && leading_dims_flatten(w)) ? w : w.contiguous();
+}
+
+namespace {
+
 void check_scale_dtype(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e8m0fnu, op, ": ",
               arg, " must be uint8 or float8_e8m0fnu, got ", t.scalar_type());
@@ -267,6 +284,32 @@ E8m0ShuffleParams make_e8m0_params(int64_t m, int64_t n, bool gate_up,
                 ") groups of 2N rows with 2N a multiple of 32");
     p.rows_per_expert = m / *num_experts;
   }
+  return p;
+}
+
+}  // namespace
+
+E8m0ShuffleParams make_e8m0_shuffle_params(const at::Tensor& scale, bool gate_up,
+                                           std::optional<int64_t> num_experts, const char* op) {
+  TORCH_CHECK(scale.dim() == 2, op, ": scale must be 2-D [m, n], got shape ", scale.sizes());
+  check_scale_dtype(scale, op, "scale");
+  E8m0ShuffleParams p = make_e8m0_params(scale.size(0), scale.size(1), gate_up, num_experts, op);
+  p.scale = static_cast<const uint8_t*>(scale.data_ptr());
+  p.row_stride = scale.stride(0);
+  p.col_stride = scale.stride(1);
+  return p;
+}
+
+E8m0ShuffleParams make_e8m0_unshuffle_params(const at::Tensor& shuffled, int64_t m, int64_t n,
+                                             bool gate_up, std::optional<int64_t> num_experts,
+                                             const char* op) {
+  check_scale_dtype(shuffled, op, "shuffled");
+  TORCH_CHECK(m >= 0 && n >= 0, op, ": m and n must be >= 0, got m=", m, ", n=", n);
+  E8m0ShuffleParams p = make_e8m0_params(m, n, gate_up, num_experts, op);
+  TORCH_CHECK(shuffled.dim() == 2 && shuffled.size(0) == p.padded_m &&
+                  shuffled.size(1) == p.padded_n,
+              op, ": shuffled must have the padded shape [", p.padded_m, ", ", p.padded_n,
+              "] of an [", m, ", ", n, "] scale, got ", shuffled.sizes());
   return p;
 }
 

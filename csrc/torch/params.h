@@ -53,10 +53,19 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
                                                at::IntArrayRef layout, bool gate_up,
                                                const char* op);
 
-// Checks the scale matrix (shuffle) or the shuffled bytes and target shape (unshuffle).
-// Returns params with the padded shape and the gate/up grouping filled in; pointers unset.
-E8m0ShuffleParams make_e8m0_params(int64_t m, int64_t n, bool gate_up,
-                                   std::optional<int64_t> num_experts, const char* op);
-void check_scale_dtype(const at::Tensor& t, const char* op, const char* arg);
+// The tensor shuffle_weight reads: w itself when the kernels take its strides (rows dense,
+// leading dims flattening into one batch stride), else a dense copy.
+at::Tensor shuffle_weight_source(const at::Tensor& w);
+
+// Checks the scale matrix of e8m0_shuffle; returns params with the padded shape, the gate/up
+// grouping and the scale's pointer and strides filled in (the output pointer unset).
+E8m0ShuffleParams make_e8m0_shuffle_params(const at::Tensor& scale, bool gate_up,
+                                           std::optional<int64_t> num_experts, const char* op);
+
+// Checks the shuffled bytes and target shape of e8m0_unshuffle; returns params with the
+// padded shape and gate/up grouping filled in (pointers unset).
+E8m0ShuffleParams make_e8m0_unshuffle_params(const at::Tensor& shuffled, int64_t m, int64_t n,
+                                             bool gate_up, std::optional<int64_t> num_experts,
+                                             const char* op);
 
 }  // namespace moeext::torch_glue
