@@ -3,9 +3,16 @@
 Environment:
   MAX_JOBS            parallel compile jobs (default: all cores)
   MOEEXT_BUILD_TYPE   CMake build type (default Release)
+  MOEEXT_FORCE_CUDA   1: build the CUDA kernels even on a CPU-only torch (needs nvcc); the
+                      extension links the static CUDA runtime and still imports without a GPU.
+                      0: never build GPU kernels. Unset: build them when torch has CUDA (and
+                      nvcc is found) or ROCm.
+  MOEEXT_CUDA_ARCHS   CUDA architectures, CMake syntax (default "80;90a;100a")
+  MOEEXT_HIP_ARCHS    AMD architectures (default "gfx90a;gfx942")
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +37,38 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def _nvcc():
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def gpu_cmake_args():
+    """The CMake switches for the GPU kernels this torch and machine call for. Every switch
+    is passed explicitly, so a reused build directory never keeps a previous choice."""
+    cpu_only = ["-DMOEEXT_BUILD_CUDA=OFF", "-DMOEEXT_BUILD_HIP=OFF"]
+    force = os.environ.get("MOEEXT_FORCE_CUDA", "")
+    if force == "0":
+        return cpu_only
+    if getattr(torch.version, "hip", None) and force != "1":
+        archs = os.environ.get("MOEEXT_HIP_ARCHS", "gfx90a;gfx942")
+        return ["-DMOEEXT_BUILD_CUDA=OFF", "-DMOEEXT_BUILD_HIP=ON",
+                f"-DCMAKE_HIP_ARCHITECTURES={archs}"]
+    nvcc = _nvcc()
+    if force == "1" and nvcc is None:
+        raise SystemExit("MOEEXT_FORCE_CUDA=1 but no nvcc: put it on PATH or set CUDA_HOME")
+    if force != "1" and not torch.version.cuda:
+        return cpu_only
+    if nvcc is None:
+        print("moeext: torch has CUDA but no nvcc was found; building the CPU kernels only",
+              file=sys.stderr)
+        return cpu_only
+    archs = os.environ.get("MOEEXT_CUDA_ARCHS", "80;90a;100a")
+    return ["-DMOEEXT_BUILD_CUDA=ON", "-DMOEEXT_BUILD_HIP=OFF", f"-DCMAKE_CUDA_COMPILER={nvcc}",
+            f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         import pybind11
@@ -44,6 +83,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+            *gpu_cmake_args(),
         ]
         try:
             import ninja

@@ -47,15 +47,38 @@ def test_environment_forces_the_portable_path():
     assert out.stdout.strip() == "scalar"
 
 
-def test_every_op_has_one_schema_and_a_fake():
+OPS = ("biased_grouped_topk", "biased_grouped_topk_out", "router_gemm", "zero_tail_",
+       "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
+       "e8m0_unshuffle")
+
+
+def test_every_op_has_one_schema_a_fake_and_both_backends():
     schema = (ROOT / "csrc" / "torch" / "schema.cpp").read_text()
     fakes = (ROOT / "python" / "moeext" / "_fake.py").read_text()
-    for name in ("biased_grouped_topk", "biased_grouped_topk_out", "router_gemm", "zero_tail_",
-                 "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
-                 "e8m0_unshuffle"):
+    cpu = (ROOT / "csrc" / "torch" / "cpu_ops.cpp").read_text()
+    cuda = (ROOT / "csrc" / "torch" / "cuda_ops.cpp").read_text()
+    for name in OPS:
         assert f'"{name}(' in schema
         assert f'"moeext::{name}"' in fakes
+        assert f'm.impl("{name}",' in cpu
+        assert f'm.impl("{name}",' in cuda
         assert hasattr(torch.ops.moeext, name)
+
+
+def test_registered_backends_match_build_info():
+    """A CUDA build (MOEEXT_FORCE_CUDA=1 included, on a CPU-only torch) registers every op for
+    the CUDA key; a CPU build registers none. Either way the CPU kernels are there."""
+    has_cuda = "cuda" in moeext.build_info()["backends"]
+    for name in OPS:
+        qualified = f"moeext::{name}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CPU")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CUDA") == has_cuda
+
+
+def test_every_gpu_source_is_built():
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    for source in sorted((ROOT / "csrc" / "cuda").glob("*.cu")):
+        assert f"csrc/cuda/{source.name}" in cmake, f"{source.name} is not in MOEEXT_GPU_KERNELS"
 
 
 def test_build_files_do_not_tune_for_the_build_machine():

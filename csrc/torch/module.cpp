@@ -52,7 +52,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", [] {
     py::dict info;
     info["torch_version"] = MOEEXT_TORCH_VERSION;
+#if defined(MOEEXT_GPU_BACKEND)
+    // "cuda" for both CUDA and HIP builds: torch calls HIP devices "cuda" as well.
+    info["backends"] = std::vector<std::string>{"cpu", "cuda"};
+    info["gpu_backend"] = MOEEXT_GPU_BACKEND;
+    info["gpu_architectures"] = MOEEXT_GPU_ARCHS;
+#else
     info["backends"] = std::vector<std::string>{"cpu"};
+    info["gpu_backend"] = py::none();
+    info["gpu_architectures"] = "";
+#endif
     info["cpu_isas_compiled"] = compiled_isas();
     info["cpu_isas_available"] = available_isas();
     info["cpu_isa_best"] = moeext::cpu_isa_name(moeext::cpu_isa_best());
