@@ -361,11 +361,11 @@ def test_runs_on_the_current_stream_of_the_input_device(gpu, case):
     staged = _to(case.make(2), gpu)  # what it writes, staged on the GPU: a device-side copy
     torch.cuda.synchronize(gpu)
     stream = torch.cuda.Stream(gpu)
-    with torch.cuda.stream(stream):  # makes gpu the current device, stream its current stream
-        torch.cuda._sleep(SLEEP_CYCLES)
+    with torch.cuda.device(gpu), torch.cuda.stream(stream):  # gpu's current stream: stream
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the current device's current stream
         for name, t in inputs.items():
             t.copy_(staged[name])
-        with torch.cuda.device(_other_gpu(gpu)):
+        with torch.cuda.device(_other_gpu(gpu)):  # gpu's current stream is still stream
             outputs = case.run(inputs)
     stream.synchronize()
     case.check(case.make(2), inputs, outputs)
