@@ -1,3 +1,23 @@
+"""Devices and CPU instruction-set paths the tests run on.
+
+``DEVICES`` is ``["cpu"]``, plus ``"cuda"`` when torch sees a GPU (ROCm's HIP devices included:
+torch calls them ``cuda`` too) and this build of moeext has the cuda backend, plus ``"cuda:1"``
+when there is a second GPU, so that ops are seen to run on the device of their inputs rather
+than on the current one.
+
+Fixtures:
+  ``device``      one run per entry of DEVICES (the device string to put inputs on).
+  ``device_isa``  ``(device, isa)``: one run per CPU instruction-set path on the cpu (the path
+                  is forced for the test), and one run per GPU with ``isa`` None. GPU runs are
+                  not multiplied by the number of CPU paths.
+  ``cpu_isa``     one run per CPU path, cpu only: for tests about the CPU paths themselves.
+
+Test ids name what runs the kernel: ``avx512``, ``scalar``, ... for the cpu paths, ``cpu`` for
+cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs.
+"""
+
+import contextlib
+
 import pytest
 import torch
 
@@ -8,16 +28,19 @@ def _devices():
     devices = ["cpu"]
     if torch.cuda.is_available() and "cuda" in moeext.build_info()["backends"]:
         devices.append("cuda")
+        if torch.cuda.device_count() > 1:
+            devices.append("cuda:1")
     return devices
 
 
 DEVICES = _devices()
+GPU_DEVICES = [d for d in DEVICES if d != "cpu"]
+CPU_ISAS = moeext.build_info()["cpu_isas_compiled"]
 
 
-@pytest.fixture(params=moeext.build_info()["cpu_isas_compiled"])
-def cpu_isa(request):
-    """Runs a test once per CPU instruction-set path this build has (and this CPU runs)."""
-    isa = request.param
+@contextlib.contextmanager
+def forced_cpu_isa(isa):
+    """Runs the block on one CPU path; skips the test if this CPU cannot run it."""
     if isa not in moeext.build_info()["cpu_isas_available"]:
         pytest.skip(f"this CPU cannot run the {isa} path")
     previous = moeext.cpu_isa()
@@ -26,3 +49,31 @@ def cpu_isa(request):
         yield isa
     finally:
         moeext.set_cpu_isa(previous)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Runs a test once per device in DEVICES."""
+    return request.param
+
+
+_DEVICE_ISA_PARAMS = ([pytest.param(("cpu", isa), id=isa) for isa in CPU_ISAS]
+                      + [pytest.param((d, None), id=d) for d in GPU_DEVICES])
+
+
+@pytest.fixture(params=_DEVICE_ISA_PARAMS)
+def device_isa(request):
+    """``(device, isa)``: every CPU path on the cpu (forced while the test runs), each GPU once."""
+    device, isa = request.param
+    if isa is None:
+        yield device, None
+        return
+    with forced_cpu_isa(isa):
+        yield device, isa
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    """Runs a cpu-only test once per CPU instruction-set path this build has (and this CPU runs)."""
+    with forced_cpu_isa(request.param) as isa:
+        yield isa

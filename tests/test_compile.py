@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import moeext
-from conftest import DEVICES
 from moeext.presets import PRESETS
 
 
@@ -15,7 +14,6 @@ def _routing_inputs(num_tokens, device, logits_dtype=torch.bfloat16, bias_dtype=
     return logits, bias
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("num_tokens", [0, 1, 33])
 def test_opcheck_biased_grouped_topk(device, num_tokens, with_bias):
@@ -29,7 +27,6 @@ def test_opcheck_biased_grouped_topk(device, num_tokens, with_bias):
                           (logits, bias, weights, ids, 8, 4, True, 2.5, "sqrtsoftplus"))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2", "deepseek-v4-pro"])
 def test_compile_fullgraph_dynamic_tokens(device, preset):
     torch._dynamo.reset()
@@ -51,10 +48,10 @@ def test_compile_fullgraph_dynamic_tokens(device, preset):
         torch.testing.assert_close(got[0], expected[0])
 
 
-def test_compile_out_form_into_persistent_buffer():
+def test_compile_out_form_into_persistent_buffer(device):
     torch._dynamo.reset()
-    weights_buf = torch.zeros(64, 9)
-    ids_buf = torch.zeros(64, 9, dtype=torch.int32)
+    weights_buf = torch.zeros(64, 9, device=device)
+    ids_buf = torch.zeros(64, 9, dtype=torch.int32, device=device)
 
     def route(logits, bias):
         n = logits.shape[0]
@@ -63,7 +60,7 @@ def test_compile_out_form_into_persistent_buffer():
         return weights_buf[:n, :8].sum(-1)
 
     compiled = torch.compile(route, fullgraph=True, dynamic=True)
-    logits, bias = _routing_inputs(20, "cpu")
+    logits, bias = _routing_inputs(20, device)
     total = compiled(logits, bias)
     expected_w, expected_ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8, True, 2.5)
     assert torch.equal(ids_buf[:20, :8], expected_ids)
@@ -71,7 +68,7 @@ def test_compile_out_form_into_persistent_buffer():
     assert bool((weights_buf[:, 8] == 0).all()) and bool((ids_buf[20:] == 0).all())
 
 
-def test_fake_rejects_what_the_kernel_rejects():
+def test_fake_rejects_what_the_kernel_rejects():  # meta tensors only: no device to vary
     logits = torch.empty(4, 64, device="meta")
     with pytest.raises(RuntimeError, match=r"topk \(33\) exceeds the experts"):
         moeext.biased_grouped_topk(logits, None, 8, 4, 33)
@@ -80,7 +77,6 @@ def test_fake_rejects_what_the_kernel_rejects():
     assert ids.shape == (4, 8) and ids.dtype == torch.int32
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_zero_tail(device):
     for dtype in (torch.int32, torch.bfloat16, torch.uint8):
         buf = torch.ones(12, 3, device=device).to(dtype)
@@ -90,10 +86,10 @@ def test_opcheck_zero_tail(device):
         torch.library.opcheck(torch.ops.moeext.zero_tail_tracked_.default, (buf, state, 4))
 
 
-def test_compile_zero_tail():
+def test_compile_zero_tail(device):
     torch._dynamo.reset()
-    buf = torch.ones(32, 4, dtype=torch.int32)
-    state = torch.tensor([32], dtype=torch.int64)
+    buf = torch.ones(32, 4, dtype=torch.int32, device=device)
+    state = torch.tensor([32], dtype=torch.int64, device=device)
 
     def step(n, values):
         moeext.zero_tail_tracked_(buf, state, n)
@@ -103,26 +99,29 @@ def test_compile_zero_tail():
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     for n in (20, 5, 9):
-        total = compiled(n, torch.full((n, 4), 2, dtype=torch.int32))
+        total = compiled(n, torch.full((n, 4), 2, dtype=torch.int32, device=device))
         assert int(state) == n
         assert int(total) == 8 * n and int(buf[n:].count_nonzero()) == 0
 
 
-def test_opcheck_shuffles():
-    w = torch.randint(0, 256, (2, 32, 64), dtype=torch.uint8)
+def test_opcheck_shuffles(device):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (2, 32, 64), dtype=torch.uint8, generator=g).to(device)
     for gate_up in (False, True):
         torch.library.opcheck(torch.ops.moeext.shuffle_weight.default, (w, [16, 16], gate_up))
         torch.library.opcheck(torch.ops.moeext.unshuffle_weight.default, (w, [16, 16], gate_up))
     torch.library.opcheck(torch.ops.moeext.shuffle_weight.default,
-                          (torch.randn(2, 32, 64).bfloat16(), [16, 16], False))
-    s = torch.randint(0, 256, (64, 12), dtype=torch.uint8)
+                          (torch.randn(2, 32, 64, generator=g).bfloat16().to(device), [16, 16],
+                           False))
+    s = torch.randint(0, 256, (64, 12), dtype=torch.uint8, generator=g).to(device)
     torch.library.opcheck(torch.ops.moeext.e8m0_shuffle.default, (s, True, 2))
     shuffled = moeext.e8m0_shuffle(s)
     torch.library.opcheck(torch.ops.moeext.e8m0_unshuffle.default, (shuffled, 64, 12, False, None))
 
 
-def test_compile_shuffles():
+def test_compile_shuffles(device):
     torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
 
     def prepare(w, s):
         return (moeext.shuffle_weight(w, (16, 16), gate_up=True),
@@ -130,13 +129,12 @@ def test_compile_shuffles():
 
     compiled = torch.compile(prepare, fullgraph=True, dynamic=True)
     for experts in (2, 3):
-        w = torch.randint(0, 256, (experts, 64, 32), dtype=torch.uint8)
-        s = torch.randint(0, 256, (experts * 64, 1), dtype=torch.uint8)
+        w = torch.randint(0, 256, (experts, 64, 32), dtype=torch.uint8, generator=g).to(device)
+        s = torch.randint(0, 256, (experts * 64, 1), dtype=torch.uint8, generator=g).to(device)
         got, expected = compiled(w, s), prepare(w, s)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [0, 1, 33])
 def test_opcheck_router_gemm(device, num_tokens, out_dtype):
@@ -151,7 +149,6 @@ def test_opcheck_router_gemm(device, num_tokens, out_dtype):
                           (hidden.float(), weight.float()))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_compile_router_gemm_then_routing(device, out_dtype):
     """The gate as an engine runs it: GEMM, then routing on its logits, in one graph."""

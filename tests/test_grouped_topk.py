@@ -32,11 +32,11 @@ def run_and_check(logits, bias, strict=False, **kw):
     return weights, ids
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 64, 1031])
 @pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_presets(cpu_isa, device, preset, logits_dtype, num_tokens):
+def test_presets(device_isa, preset, logits_dtype, num_tokens):
+    device, _ = device_isa
     p = PRESETS[preset]
     bias_dtypes = FLOAT_DTYPES if p.has_bias else [None]
     for i, bias_dtype in enumerate(bias_dtypes):
@@ -65,11 +65,13 @@ TOPOLOGIES = [
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
-def test_topologies(cpu_isa, topology, with_bias, scoring_func):
+def test_topologies(device_isa, topology, with_bias, scoring_func):
+    device, _ = device_isa
     num_experts, num_expert_group, topk_group, topk = topology
     for renormalize in (True, False):
         logits, bias = make_inputs(97, num_experts, torch.float32,
-                                   torch.float32 if with_bias else None, seed=num_experts)
+                                   torch.float32 if with_bias else None, seed=num_experts,
+                                   device=device)
         run_and_check(logits, bias, num_expert_group=num_expert_group, topk_group=topk_group,
                       topk=topk, renormalize=renormalize, routed_scaling_factor=1.7,
                       scoring_func=scoring_func)
@@ -77,18 +79,19 @@ def test_topologies(cpu_isa, topology, with_bias, scoring_func):
 
 @pytest.mark.parametrize("layout", ["column_stride_2", "transposed", "row_slice"])
 @pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
-def test_non_contiguous(cpu_isa, layout, logits_dtype):
+def test_non_contiguous(device_isa, layout, logits_dtype):
+    device, _ = device_isa
     num_tokens, num_experts = 77, 256
     g = torch.Generator().manual_seed(3)
-    base = torch.randn(2 * num_tokens, 2 * num_experts, generator=g).to(logits_dtype)
+    base = torch.randn(2 * num_tokens, 2 * num_experts, generator=g).to(logits_dtype).to(device)
     if layout == "column_stride_2":
         logits = base[:num_tokens, ::2]
     elif layout == "transposed":
-        logits = torch.randn(num_experts, num_tokens, generator=g).to(logits_dtype).t()
+        logits = torch.randn(num_experts, num_tokens, generator=g).to(logits_dtype).to(device).t()
     else:
         logits = base[1::2, 3 : 3 + num_experts]
     assert not logits.is_contiguous()
-    bias = (2 + 0.05 * torch.randn(2 * num_experts, generator=g))[::2]  # strided bias too
+    bias = (2 + 0.05 * torch.randn(2 * num_experts, generator=g)).to(device)[::2]  # strided too
     run_and_check(logits, bias, num_expert_group=8, topk_group=4, topk=8,
                   routed_scaling_factor=2.5)
     run_and_check(logits, bias.contiguous().bfloat16(), num_expert_group=8, topk_group=4,
@@ -96,12 +99,14 @@ def test_non_contiguous(cpu_isa, layout, logits_dtype):
 
 
 @pytest.mark.parametrize("num_tokens", [0, 5, 300])
-def test_out_into_wider_buffer(cpu_isa, num_tokens):
+def test_out_into_wider_buffer(device_isa, num_tokens):
     """The _out form writes the first topk columns of a persistent buffer, nothing else."""
+    device, _ = device_isa
     topk, extra = 8, 3
-    logits, bias = make_inputs(num_tokens, 256, torch.bfloat16, torch.float32, seed=11)
-    weights_buf = torch.full((num_tokens, topk + extra), -7.0)
-    ids_buf = torch.full((num_tokens, topk + extra), -7, dtype=torch.int32)
+    logits, bias = make_inputs(num_tokens, 256, torch.bfloat16, torch.float32, seed=11,
+                               device=device)
+    weights_buf = torch.full((num_tokens, topk + extra), -7.0, device=device)
+    ids_buf = torch.full((num_tokens, topk + extra), -7, dtype=torch.int32, device=device)
     weights, ids = weights_buf[:, :topk], ids_buf[:, :topk]
     moeext.biased_grouped_topk_out(logits, bias, weights, ids, 8, 4, True, 2.5)
     assert bool((weights_buf[:, topk:] == -7.0).all())
@@ -112,45 +117,48 @@ def test_out_into_wider_buffer(cpu_isa, num_tokens):
     assert_routing_matches(weights, ids, logits, bias, 8, 4, topk, True, 2.5)
 
 
-def test_ties_follow_the_rule(cpu_isa):
+def test_ties_follow_the_rule(device_isa):
     """Exact ties: lower group index, then lower expert index; output ties by lower id."""
+    device, _ = device_isa
     num_tokens, num_experts = 16, 64
     # Every score equal: the first topk_group groups are kept and the first experts chosen.
-    for bias in (None, torch.zeros(num_experts), torch.full((num_experts,), 2.0).bfloat16()):
-        logits = torch.zeros(num_tokens, num_experts)
+    for bias in (None, torch.zeros(num_experts, device=device),
+                 torch.full((num_experts,), 2.0, device=device).bfloat16()):
+        logits = torch.zeros(num_tokens, num_experts, device=device)
         w, ids = moeext.biased_grouped_topk(logits, bias, 8, 3, 5)
         assert ids.tolist() == [[0, 1, 2, 3, 4]] * num_tokens
-        torch.testing.assert_close(w, torch.full((num_tokens, 5), 0.2))
+        torch.testing.assert_close(w, torch.full((num_tokens, 5), 0.2, device=device))
     # Values from a tiny set: ties everywhere, inside and across groups.
     g = torch.Generator().manual_seed(5)
     for dtype in FLOAT_DTYPES:
-        logits = torch.randint(-2, 3, (500, num_experts), generator=g).to(dtype)
-        bias = torch.randint(0, 2, (num_experts,), generator=g).float()
+        logits = torch.randint(-2, 3, (500, num_experts), generator=g).to(dtype).to(device)
+        bias = torch.randint(0, 2, (num_experts,), generator=g).float().to(device)
         for scoring_func in moeext.reference.SCORING_FUNCS:
             for b in (bias, None):
                 run_and_check(logits, b, strict=True, num_expert_group=8, topk_group=3,
                               topk=9, scoring_func=scoring_func)
 
 
-def test_duplicated_group_maximum_counts_twice():
+def test_duplicated_group_maximum_counts_twice(device):
     # Group 0: [5, 5, 0, 0] scores 10; group 1: [9, 0, 0, 0] scores 9: group 0 is kept.
-    bias = torch.tensor([5.0, 5, 0, 0, 9, 0, 0, 0])
-    logits = torch.full((1, 8), -30.0)  # sigmoid ~ 0: b is the bias
+    bias = torch.tensor([5.0, 5, 0, 0, 9, 0, 0, 0], device=device)
+    logits = torch.full((1, 8), -30.0, device=device)  # sigmoid ~ 0: b is the bias
     _, ids = moeext.biased_grouped_topk(logits, bias, 2, 1, 2)
     assert ids.tolist() == [[0, 1]]
 
 
-def test_weights_come_from_unbiased_scores():
-    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
-    bias = torch.tensor([3.0, 0.0, 2.0, 0.0])
+def test_weights_come_from_unbiased_scores(device):
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]], device=device)
+    bias = torch.tensor([3.0, 0.0, 2.0, 0.0], device=device)
     w, ids = moeext.biased_grouped_topk(logits, bias, 1, 1, 2, renormalize=False)
     assert ids.tolist() == [[0, 2]]
-    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[0.0, -1.0]])))
+    torch.testing.assert_close(w.cpu(), torch.sigmoid(torch.tensor([[0.0, -1.0]])))
 
 
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
 @pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
-def test_nan_and_inf_rows(cpu_isa, scoring_func, logits_dtype):
+def test_nan_and_inf_rows(device_isa, scoring_func, logits_dtype):
+    device, _ = device_isa
     num_experts, num_expert_group, topk_group, topk = 256, 8, 4, 8
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(12, num_experts, generator=g)
@@ -164,23 +172,26 @@ def test_nan_and_inf_rows(cpu_isa, scoring_func, logits_dtype):
     logits[7, ::2] = float("nan")
     logits[7, 1::2] = float("-inf")
     logits[8, :250] = float("nan")  # six finite experts left, all in the last group
-    logits = logits.to(logits_dtype)
-    bias = 2.0 + 0.05 * torch.randn(num_experts, generator=g)
-    for b in (bias, None):
+    logits_cpu = logits.to(logits_dtype)
+    logits = logits_cpu.to(device)
+    bias_cpu = 2.0 + 0.05 * torch.randn(num_experts, generator=g)
+    for b, b_cpu in ((bias_cpu.to(device), bias_cpu), (None, None)):
         kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
                   routed_scaling_factor=2.5, scoring_func=scoring_func)
         w, ids = run_and_check(logits, b, **kw)
         if scoring_func != "sqrtsoftplus":  # sqrt(softplus(+inf)) is inf: inf/inf is NaN
             assert bool(torch.isfinite(w).all())
         # All-NaN (row 0) and all -inf (row 4): everything ties, so ids follow index order.
-        ref_w, ref_ids = moeext.reference.biased_grouped_topk(logits, b, **kw)
+        ref_w, ref_ids = moeext.reference.biased_grouped_topk(logits_cpu, b_cpu, **kw)
         for row in (0, 4, 7):
             assert ids[row].tolist() == ref_ids[row].tolist()
         assert ids[0].tolist() == list(range(topk))
 
 
 def test_bias_dtype_is_read_without_casting(cpu_isa):
-    """No aten cast or copy runs for a bias or logits of another dtype (SPEC: no cast pass)."""
+    """No aten cast or copy runs for a bias or logits of another dtype (SPEC: no cast pass).
+
+    CPU only: it forces each CPU path and reads the CPU profiler's op events."""
     logits, bias = make_inputs(64, 256, torch.bfloat16, torch.float16)
     moeext.biased_grouped_topk(logits, bias, 8, 4, 8)  # warm up
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -190,7 +201,7 @@ def test_bias_dtype_is_read_without_casting(cpu_isa):
     assert not names & {"aten::to", "aten::_to_copy", "aten::copy_", "aten::contiguous"}, names
 
 
-def test_threaded_and_single_thread_agree():
+def test_threaded_and_single_thread_agree():  # CPU only: torch's CPU thread pool
     logits, bias = make_inputs(4099, 256, torch.float32, torch.float32, seed=21)
     threads = torch.get_num_threads()
     try:
@@ -206,42 +217,51 @@ def test_threaded_and_single_thread_agree():
 # Invalid arguments: a clear error naming the argument, and nothing written.
 # ---------------------------------------------------------------------------------------
 
-def _valid_args():
-    logits, bias = make_inputs(4, 64, torch.float32, torch.float32)
+def _valid_args(device):
+    logits, bias = make_inputs(4, 64, torch.float32, torch.float32, device=device)
     return dict(gating_output=logits, correction_bias=bias, num_expert_group=8, topk_group=4,
                 topk=8, renormalize=True, routed_scaling_factor=1.0, scoring_func="sigmoid")
 
 
+# Each change is a function of the device the test runs on, so the bad argument sits there too.
 INVALID = [
-    (dict(gating_output=torch.zeros(64)), "gating_output must be 2-D"),
-    (dict(gating_output=torch.zeros(2, 4, 64)), "gating_output must be 2-D"),
-    (dict(gating_output=torch.zeros(4, 64, dtype=torch.float64)), "gating_output must be float32"),
-    (dict(gating_output=torch.zeros(4, 64, dtype=torch.int32)), "gating_output must be float32"),
-    (dict(num_expert_group=7), "num_expert_group (7) must divide the number of experts (64)"),
-    (dict(num_expert_group=0), "num_expert_group must be >= 1"),
-    (dict(topk_group=0), "topk_group must be in [1, num_expert_group = 8], got 0"),
-    (dict(topk_group=9), "topk_group must be in [1, num_expert_group = 8], got 9"),
-    (dict(topk=0), "topk must be >= 1"),
-    (dict(topk=33), "topk (33) exceeds the experts in the kept groups (topk_group 4 x 8 per group)"),
-    (dict(correction_bias=torch.zeros(63)), "correction_bias must have shape [64]"),
-    (dict(correction_bias=torch.zeros(1, 64)), "correction_bias must have shape [64]"),
-    (dict(correction_bias=torch.zeros(64, dtype=torch.float64)), "correction_bias must be float32"),
-    (dict(scoring_func="relu"), "scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax'"),
-    (dict(correction_bias=torch.zeros(64, device="meta")), "correction_bias is on meta"),
+    (lambda d: dict(gating_output=torch.zeros(64, device=d)), "gating_output must be 2-D"),
+    (lambda d: dict(gating_output=torch.zeros(2, 4, 64, device=d)), "gating_output must be 2-D"),
+    (lambda d: dict(gating_output=torch.zeros(4, 64, dtype=torch.float64, device=d)),
+     "gating_output must be float32"),
+    (lambda d: dict(gating_output=torch.zeros(4, 64, dtype=torch.int32, device=d)),
+     "gating_output must be float32"),
+    (lambda d: dict(num_expert_group=7),
+     "num_expert_group (7) must divide the number of experts (64)"),
+    (lambda d: dict(num_expert_group=0), "num_expert_group must be >= 1"),
+    (lambda d: dict(topk_group=0), "topk_group must be in [1, num_expert_group = 8], got 0"),
+    (lambda d: dict(topk_group=9), "topk_group must be in [1, num_expert_group = 8], got 9"),
+    (lambda d: dict(topk=0), "topk must be >= 1"),
+    (lambda d: dict(topk=33),
+     "topk (33) exceeds the experts in the kept groups (topk_group 4 x 8 per group)"),
+    (lambda d: dict(correction_bias=torch.zeros(63, device=d)),
+     "correction_bias must have shape [64]"),
+    (lambda d: dict(correction_bias=torch.zeros(1, 64, device=d)),
+     "correction_bias must have shape [64]"),
+    (lambda d: dict(correction_bias=torch.zeros(64, dtype=torch.float64, device=d)),
+     "correction_bias must be float32"),
+    (lambda d: dict(scoring_func="relu"),
+     "scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax'"),
+    (lambda d: dict(correction_bias=torch.zeros(64, device="meta")), "correction_bias is on meta"),
 ]
 
 
 @pytest.mark.parametrize("change,message", INVALID, ids=[m for _, m in INVALID])
-def test_invalid_arguments(change, message):
-    args = _valid_args()
-    args.update(change)
+def test_invalid_arguments(device, change, message):
+    args = _valid_args(device)
+    args.update(change(device))
     with pytest.raises(RuntimeError, match=_literal(message)):
         moeext.biased_grouped_topk(**args)
     # The _out form rejects the same inputs and leaves its outputs untouched.
     if args["gating_output"].dim() == 2 and args["topk"] >= 1:
         num_tokens = args["gating_output"].shape[0]
-        weights = torch.full((num_tokens, args["topk"]), -3.0)
-        ids = torch.full((num_tokens, args["topk"]), -3, dtype=torch.int32)
+        weights = torch.full((num_tokens, args["topk"]), -3.0, device=device)
+        ids = torch.full((num_tokens, args["topk"]), -3, dtype=torch.int32, device=device)
         out_args = {k: v for k, v in args.items() if k != "topk"}
         with pytest.raises(RuntimeError, match=_literal(message)):
             moeext.biased_grouped_topk_out(topk_weights=weights, topk_ids=ids, **out_args)
@@ -249,24 +269,30 @@ def test_invalid_arguments(change, message):
 
 
 INVALID_OUT = [
-    (dict(topk_weights=torch.zeros(4, 8, dtype=torch.float64)), "topk_weights must be Float"),
-    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int64)), "topk_ids must be Int"),
-    (dict(topk_weights=torch.zeros(5, 8)), "topk_weights must have shape [4, 8]"),
-    (dict(topk_weights=torch.zeros(4, 7)), "topk_weights must have shape [4, 8]"),
-    (dict(topk_ids=torch.zeros(8, dtype=torch.int32)), "topk_ids must be 2-D"),
-    (dict(topk_weights=torch.zeros(8, 4).t()), "topk_weights must have contiguous columns"),
-    (dict(topk_weights=torch.zeros(4, 33), topk_ids=torch.zeros(4, 33, dtype=torch.int32)),
+    (lambda d: dict(topk_weights=torch.zeros(4, 8, dtype=torch.float64, device=d)),
+     "topk_weights must be Float"),
+    (lambda d: dict(topk_ids=torch.zeros(4, 8, dtype=torch.int64, device=d)),
+     "topk_ids must be Int"),
+    (lambda d: dict(topk_weights=torch.zeros(5, 8, device=d)),
+     "topk_weights must have shape [4, 8]"),
+    (lambda d: dict(topk_weights=torch.zeros(4, 7, device=d)),
+     "topk_weights must have shape [4, 8]"),
+    (lambda d: dict(topk_ids=torch.zeros(8, dtype=torch.int32, device=d)), "topk_ids must be 2-D"),
+    (lambda d: dict(topk_weights=torch.zeros(8, 4, device=d).t()),
+     "topk_weights must have contiguous columns"),
+    (lambda d: dict(topk_weights=torch.zeros(4, 33, device=d),
+                    topk_ids=torch.zeros(4, 33, dtype=torch.int32, device=d)),
      "topk (33) exceeds the experts in the kept groups"),
 ]
 
 
 @pytest.mark.parametrize("change,message", INVALID_OUT, ids=[m for _, m in INVALID_OUT])
-def test_invalid_out_arguments(change, message):
-    args = _valid_args()
+def test_invalid_out_arguments(device, change, message):
+    args = _valid_args(device)
     del args["topk"]
-    out = dict(topk_weights=torch.full((4, 8), -3.0),
-               topk_ids=torch.full((4, 8), -3, dtype=torch.int32))
-    out.update(change)
+    out = dict(topk_weights=torch.full((4, 8), -3.0, device=device),
+               topk_ids=torch.full((4, 8), -3, dtype=torch.int32, device=device))
+    out.update(change(device))
     with pytest.raises(RuntimeError, match=_literal(message)):
         moeext.biased_grouped_topk_out(**args, **out)
     for t in out.values():
@@ -303,9 +329,12 @@ def routing_problems(draw):
             bias_dtype, scoring_func, renormalize, scale, seed, special, transpose)
 
 
+# Parametrised rather than a fixture: hypothesis reruns the body, not function-scoped fixtures.
+# The drawn CPU path only matters on the cpu.
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=routing_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
-def test_property_matches_reference(problem, isa):
+def test_property_matches_reference(device, problem, isa):
     (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_dtype,
      scoring_func, renormalize, scale, seed, special, transpose) = problem
     if isa not in moeext.build_info()["cpu_isas_available"]:
@@ -319,13 +348,13 @@ def test_property_matches_reference(problem, isa):
         logits[torch.rand(logits.shape, generator=g) < 0.1] = float("-inf")
     elif special == "ties":
         logits = logits.round()
-    logits = logits.to(logits_dtype)
+    logits = logits.to(logits_dtype).to(device)
     if transpose:
         logits = logits.t().contiguous().t()
     bias = None
     if bias_dtype is not None:
         bias = torch.randn(num_experts, generator=g)
-        bias = (bias.round() if special == "ties" else bias).to(bias_dtype)
+        bias = (bias.round() if special == "ties" else bias).to(bias_dtype).to(device)
     previous = moeext.cpu_isa()
     moeext.set_cpu_isa(isa)
     try:
@@ -333,5 +362,6 @@ def test_property_matches_reference(problem, isa):
                                             renormalize, scale, scoring_func)
     finally:
         moeext.set_cpu_isa(previous)
+    assert w.device == logits.device and ids.device == logits.device
     assert_routing_matches(w, ids, logits, bias, num_expert_group, topk_group, topk,
                            renormalize, scale, scoring_func)

@@ -32,19 +32,20 @@ def _bytes(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
 
 
-def _garbage_slot(shape, dtype):
+def _garbage_slot(shape, dtype, device="cpu"):
     """A slot from torch.empty with every byte set to 0x5A, so any unzeroed padding shows."""
-    slot = torch.empty(shape, dtype=dtype)
+    slot = torch.empty(shape, dtype=dtype, device=device)
     slot.view(torch.uint8 if dtype.itemsize == 1 else torch.int16).fill_(
         0x5A if dtype.itemsize == 1 else 0x5A5A)
     return slot
 
 
-def _checkpoint(shape, dtype, seed):
+def _checkpoint(shape, dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    if dtype.itemsize == 1:
-        return torch.randint(1, 256, shape, dtype=torch.uint8, generator=g).view(dtype)
-    return (torch.rand(shape, generator=g) + 0.5).to(dtype)  # no zeros: padding stays visible
+    if dtype.itemsize == 1:  # moved as bytes: fp4/fp8 copies need no kernel of their own then
+        return torch.randint(1, 256, shape, dtype=torch.uint8, generator=g).to(device).view(dtype)
+    # No zeros: padding stays visible.
+    return (torch.rand(shape, generator=g) + 0.5).to(dtype).to(device)
 
 
 def _shape(width_along_dim, dim):
@@ -53,6 +54,7 @@ def _shape(width_along_dim, dim):
 
 def _check_slot(slot, ckpt, dim, rank, tp, fused, range_fn):
     """The slot holds exactly range_fn's rows at its start (per half if fused), zeros after."""
+    slot, ckpt = _bytes(slot).cpu(), _bytes(ckpt).cpu()
     halves = 2 if fused else 1
     width, padded = ckpt.size(dim) // halves, slot.size(dim) // halves
     start, stop = range_fn(width, rank, tp, padded)
@@ -64,20 +66,20 @@ def _check_slot(slot, ckpt, dim, rank, tp, fused, range_fn):
         assert int(tail.count_nonzero()) == 0
 
 
-def _load_all_ranks(ckpt, dim, tp, padded, fused, dtype=None):
+def _load_all_ranks(ckpt, dim, tp, padded, fused, dtype=None, device="cpu"):
     slots, ranges = [], []
     halves = 2 if fused else 1
     for rank in range(tp):
-        slot = _garbage_slot(_shape(halves * padded, dim), dtype or ckpt.dtype)
+        slot = _garbage_slot(_shape(halves * padded, dim), dtype or ckpt.dtype, device)
         ranges.append(loading.load_shard_(slot, ckpt, dim, rank, tp, fused_gate_up=fused))
         slots.append(slot)
     return slots, ranges
 
 
 def _concat_unpadded(slots, ranges, dim, padded, fused):
-    """Every rank's loaded rows, in rank order (gate halves first, then up halves)."""
+    """Every rank's loaded rows, in rank order (gate halves first, then up halves), on the CPU."""
     halves = 2 if fused else 1
-    parts = [_bytes(s).narrow(dim, h * padded, stop - start)
+    parts = [_bytes(s).cpu().narrow(dim, h * padded, stop - start)
              for h in range(halves) for s, (start, stop) in zip(slots, ranges)]
     return torch.cat(parts, dim=dim)
 
@@ -86,39 +88,40 @@ def _concat_unpadded(slots, ranges, dim, padded, fused):
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("width", [7, 8, 90, 2880])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
-def test_every_rank(tp, width, dim, fused):
+def test_every_rank(device, tp, width, dim, fused):
+    """Slots on the device, the checkpoint on the CPU (as read from a file)."""
     halves = 2 if fused else 1
     per_rank = math.ceil(width / tp)
     for dtype in DTYPES:
         ckpt = _checkpoint(_shape(halves * width, dim), dtype, seed=width * tp + dim)
         for padded in (per_rank, per_rank + 5, -(-per_rank // 64) * 64):
-            slots, ranges = _load_all_ranks(ckpt, dim, tp, padded, fused)
+            slots, ranges = _load_all_ranks(ckpt, dim, tp, padded, fused, device=device)
             for rank, slot in enumerate(slots):
                 assert ranges[rank] == spec_range(width, rank, tp)
                 _check_slot(slot, ckpt, dim, rank, tp, fused, spec_range)
             assert torch.equal(_concat_unpadded(slots, ranges, dim, padded, fused), _bytes(ckpt))
 
 
-def test_empty_ranks_are_all_zeros():
+def test_empty_ranks_are_all_zeros(device):
     # W=7 over 8 ranks: ranks 0..6 one row each, rank 7 none. W=90 over 8: ceil 12, rank 7
-    # gets rows 84..89 (6 of 12).
-    ckpt = _checkpoint((7, OTHER), torch.uint8, seed=0)
-    slot = _garbage_slot((1, OTHER), torch.uint8)
+    # gets rows 84..89 (6 of 12). Checkpoints on the device too, here.
+    ckpt = _checkpoint((7, OTHER), torch.uint8, seed=0, device=device)
+    slot = _garbage_slot((1, OTHER), torch.uint8, device)
     assert loading.load_shard_(slot, ckpt, 0, 7, 8) == (7, 7)
     assert int(slot.count_nonzero()) == 0
-    ckpt = _checkpoint((OTHER, 10), torch.bfloat16, seed=0)
-    slot = _garbage_slot((OTHER, 4), torch.bfloat16)  # 10 over 4 ranks: 3, 3, 3, 1
+    ckpt = _checkpoint((OTHER, 10), torch.bfloat16, seed=0, device=device)
+    slot = _garbage_slot((OTHER, 4), torch.bfloat16, device)  # 10 over 4 ranks: 3, 3, 3, 1
     assert loading.load_shard_(slot, ckpt, 1, 3, 4) == (9, 10)
     assert torch.equal(slot[:, 0], ckpt[:, 9]) and int(slot[:, 1:].count_nonzero()) == 0
-    ckpt = _checkpoint((OTHER, 0), torch.uint8, seed=0)
-    slot = _garbage_slot((OTHER, 2), torch.uint8)
+    ckpt = _checkpoint((OTHER, 0), torch.uint8, seed=0, device=device)
+    slot = _garbage_slot((OTHER, 2), torch.uint8, device)
     assert loading.load_shard_(slot, ckpt, 1, 0, 2) == (0, 0)
     assert int(slot.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("bad_rule", [padded_offset_range, floor_range])
 @pytest.mark.parametrize("fused", [False, True])
-def test_checks_catch_the_spec_bugs(bad_rule, fused):
+def test_checks_catch_the_spec_bugs(bad_rule, fused):  # CPU only: it tests the checks above
     """The checks above fail for loaders that take offsets from the padded size or floor W/tp.
 
     W=90 on tp=8 with 32-row padded slots: ceil gives 12 rows per rank (last rank 6);
@@ -155,7 +158,7 @@ def test_checks_catch_the_spec_bugs(bad_rule, fused):
             _check_slot(slot, ckpt, 0, rank, tp, fused, bad_rule)
 
 
-def test_w13_and_w2_of_an_mxfp4_expert():
+def test_w13_and_w2_of_an_mxfp4_expert(device):
     """A gpt-oss-like layout: w13 [E, 2I, H/2] bytes sharded on dim 1 (fused), w2 [E, H, I/2]
     on dim 2, slots padded to 64 intermediate rows, one expert view at a time.
 
@@ -165,13 +168,13 @@ def test_w13_and_w2_of_an_mxfp4_expert():
     experts, hidden, inter, tp, rank, padded = 2, 64, 94, 4, 3, 64
     w13 = _checkpoint((experts, 2 * inter, hidden // 2), torch.uint8, seed=1)
     w2 = _checkpoint((experts, hidden, inter // 2), torch.uint8, seed=2)
-    w13_param = _garbage_slot((experts, 2 * padded, hidden // 2), torch.float4_e2m1fn_x2)
-    w2_param = _garbage_slot((experts, hidden, padded // 2), torch.float4_e2m1fn_x2)
+    w13_param = _garbage_slot((experts, 2 * padded, hidden // 2), torch.float4_e2m1fn_x2, device)
+    w2_param = _garbage_slot((experts, hidden, padded // 2), torch.float4_e2m1fn_x2, device)
     for e in range(experts):
         assert loading.load_shard_(w13_param[e], w13[e], 0, rank, tp,
                                    fused_gate_up=True) == (72, 94)
         assert loading.load_shard_(w2_param[e], w2[e], 1, rank, tp) == (36, 47)
-    w13b, w2b = w13_param.view(torch.uint8), w2_param.view(torch.uint8)
+    w13b, w2b = w13_param.view(torch.uint8).cpu(), w2_param.view(torch.uint8).cpu()
     assert torch.equal(w13b[:, :22], w13[:, 72:inter])
     assert torch.equal(w13b[:, padded:padded + 22], w13[:, inter + 72:])
     assert int(w13b[:, 22:padded].count_nonzero()) == 0
@@ -185,31 +188,31 @@ def test_w13_and_w2_of_an_mxfp4_expert():
     (torch.float8_e8m0fnu, torch.uint8), (torch.uint8, torch.float8_e8m0fnu),
     (torch.float8_e4m3fn, torch.uint8),
 ])
-def test_bytes_copy_across_byte_dtypes(slot_dtype, ckpt_dtype):
-    ckpt = _checkpoint((OTHER, 11), ckpt_dtype, seed=4)
-    slot = _garbage_slot((OTHER, 8), slot_dtype)
+def test_bytes_copy_across_byte_dtypes(device, slot_dtype, ckpt_dtype):
+    ckpt = _checkpoint((OTHER, 11), ckpt_dtype, seed=4, device=device)
+    slot = _garbage_slot((OTHER, 8), slot_dtype, device)
     assert loading.load_shard_(slot, ckpt, -1, 1, 2) == (6, 11)
     assert torch.equal(slot.view(torch.uint8)[:, :5], ckpt.view(torch.uint8)[:, 6:])
     assert int(slot.view(torch.uint8)[:, 5:].count_nonzero()) == 0
 
 
-def test_strided_slots():
-    ckpt = _checkpoint((10, 6), torch.bfloat16, seed=5)
+def test_strided_slots(device):
+    ckpt = _checkpoint((10, 6), torch.bfloat16, seed=5, device=device)
     # Rows not adjacent (every other row of a bigger buffer), and a column window: both are
     # written only where the slot is, the rest of the base untouched.
-    base = _garbage_slot((16, 6), torch.bfloat16)
+    base = _garbage_slot((16, 6), torch.bfloat16, device)
     before = base.clone()
     loading.load_shard_(base[::2], ckpt, 0, 1, 2)  # rows 5..9 into 8 slot rows
     assert torch.equal(base[0:10:2], ckpt[5:10]) and int(base[10::2].count_nonzero()) == 0
     assert torch.equal(base[1::2], before[1::2])
-    base = _garbage_slot((8, 10), torch.bfloat16)
+    base = _garbage_slot((8, 10), torch.bfloat16, device)
     before = base.clone()
     loading.load_shard_(base[:, 2:8], ckpt, 0, 0, 2)  # rows 0..4 into 8 rows of 6 columns
     assert torch.equal(base[:5, 2:8], ckpt[:5]) and int(base[5:, 2:8].count_nonzero()) == 0
     assert torch.equal(base[:, :2], before[:, :2]) and torch.equal(base[:, 8:], before[:, 8:])
 
 
-def test_padding_uses_zero_tail_where_rows_are_contiguous(monkeypatch):
+def test_padding_uses_zero_tail_where_rows_are_contiguous(monkeypatch, device):
     calls = []
     real = loading.zero_tail_
 
@@ -218,21 +221,21 @@ def test_padding_uses_zero_tail_where_rows_are_contiguous(monkeypatch):
         real(buf, new_extent, prev_extent)
 
     monkeypatch.setattr(loading, "zero_tail_", spy)
-    ckpt = _checkpoint((20, 4), torch.uint8, seed=6)
-    slot = _garbage_slot((16, 4), torch.float4_e2m1fn_x2)
+    ckpt = _checkpoint((20, 4), torch.uint8, seed=6, device=device)
+    slot = _garbage_slot((16, 4), torch.float4_e2m1fn_x2, device)
     loading.load_shard_(slot, ckpt, 0, 1, 2, fused_gate_up=True)  # halves: 10 -> 5 rows each
     assert calls == [((8, 4), 5, 8), ((8, 4), 5, 8)]
     _check_slot(slot, ckpt, 0, 1, 2, True, spec_range)
     calls.clear()
     # Any stride along dim 0 is fine for zero_tail_ as long as each row is one byte range.
-    base = _garbage_slot((16, 8), torch.uint8)
+    base = _garbage_slot((16, 8), torch.uint8, device)
     loading.load_shard_(base[:, :4], ckpt, 0, 1, 2)
     assert calls == [((16, 4), 10, 16)]
     assert torch.equal(base[:10, :4], ckpt[10:]) and int(base[10:, :4].count_nonzero()) == 0
     assert bool((base[:, 4:] == 0x5A).all())
     calls.clear()
-    loading.load_shard_(_garbage_slot((4, 16), torch.uint8), ckpt.t(), 1, 1, 2)  # dim 1
-    base = _garbage_slot((16, 8), torch.uint8)
+    loading.load_shard_(_garbage_slot((4, 16), torch.uint8, device), ckpt.t(), 1, 1, 2)  # dim 1
+    base = _garbage_slot((16, 8), torch.uint8, device)
     loading.load_shard_(base[:, ::2], ckpt, 0, 1, 2)  # rows not contiguous: narrow + zero_
     assert calls == []
     assert torch.equal(base[:10, ::2], ckpt[10:]) and int(base[10:, ::2].count_nonzero()) == 0
@@ -258,8 +261,8 @@ def test_padding_uses_zero_tail_where_rows_are_contiguous(monkeypatch):
     ((9, 3), (8, 3), dict(shard_dim=0, tp_rank=0, tp_size=1, fused_gate_up=True),
      "param_slot.size\\(0\\) must be even"),
 ])
-def test_invalid_arguments_raise_and_write_nothing(slot_shape, ckpt_shape, kwargs, match):
-    slot = _garbage_slot(slot_shape, torch.uint8)
+def test_invalid_arguments_raise_and_write_nothing(device, slot_shape, ckpt_shape, kwargs, match):
+    slot = _garbage_slot(slot_shape, torch.uint8, device)
     ckpt = _checkpoint(ckpt_shape, torch.uint8, seed=7)
     with pytest.raises(ValueError, match=match):
         loading.load_shard_(slot, ckpt, **kwargs)
@@ -270,8 +273,8 @@ def test_invalid_arguments_raise_and_write_nothing(slot_shape, ckpt_shape, kwarg
     (torch.bfloat16, torch.float16), (torch.float4_e2m1fn_x2, torch.float8_e8m0fnu),
     (torch.uint8, torch.bfloat16), (torch.int8, torch.float8_e4m3fn),
 ])
-def test_incompatible_dtypes_raise_and_write_nothing(slot_dtype, ckpt_dtype):
-    slot = _garbage_slot((4, 3), slot_dtype)
+def test_incompatible_dtypes_raise_and_write_nothing(device, slot_dtype, ckpt_dtype):
+    slot = _garbage_slot((4, 3), slot_dtype, device)
     before = slot.view(torch.uint8).clone()
     with pytest.raises(ValueError, match="cannot be loaded into param_slot dtype"):
         loading.load_shard_(slot, _checkpoint((8, 3), ckpt_dtype, seed=8), 0, 0, 2)

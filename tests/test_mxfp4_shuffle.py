@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import moeext
-from conftest import DEVICES
 from moeext import reference
 
 WEIGHT_DTYPES = [torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -22,16 +21,24 @@ def random_bytes(shape, dtype, seed=0, device="cpu"):
                         dtype=torch.uint8)
     if raw.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=device)
-    return raw.view(dtype).to(device)
+    return raw.to(device).view(dtype)  # moved as bytes: fp4/fp8 copies need no kernel then
+
+
+def to_cpu(t):
+    """t on the CPU, moved as bytes for 1-byte dtypes (fp4/fp8 copies need no kernel then)."""
+    return t.view(torch.uint8).cpu().view(t.dtype) if t.element_size() == 1 else t.cpu()
 
 
 def as_bytes(t):
+    if t.element_size() == 1:
+        return t.view(torch.uint8).contiguous()
     return t.contiguous().view(torch.uint8)
 
 
 def assert_same_bytes(a, b):
+    """Same shape, dtype and bytes; a and b may sit on different devices."""
     assert a.shape == b.shape and a.dtype == b.dtype
-    assert torch.equal(as_bytes(a.cpu()), as_bytes(b.cpu()))
+    assert torch.equal(as_bytes(a).cpu(), as_bytes(b).cpu())
 
 
 # --- the references follow SPEC's index formulas literally ------------------------------
@@ -71,11 +78,11 @@ def test_scale_reference_is_the_spec_formula():
     assert_same_bytes(reference.e8m0_shuffle(s), spec_e8m0_shuffle(s))
 
 
-def test_gate_up_interleave_order():
+def test_gate_up_interleave_order(device):
     """Rows g0..g15, u0..u15, g16..g31, u16..u31: checked on row ids, not via the reference."""
     e, half, k = 2, 32, 32
     rows = torch.arange(e * 2 * half, dtype=torch.int16).view(e, 2 * half, 1).expand(e, 2 * half, k)
-    w = rows.contiguous().view(torch.bfloat16)  # 2-byte elements holding their row id
+    w = rows.contiguous().to(device).view(torch.bfloat16)  # 2-byte elements holding their row id
     shuffled = moeext.shuffle_weight(w, gate_up=True)
     unshuffled_plain = moeext.unshuffle_weight(shuffled)  # undo the tiling only
     order = unshuffled_plain.view(torch.int16)[0, :, 0].tolist()
@@ -85,123 +92,135 @@ def test_gate_up_interleave_order():
 
 # --- kernels against the reference -------------------------------------------------------
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (3, 32, 64), (2, 3, 16, 128), (0, 32),
                                    (16, 0)])
 def test_shuffle_weight(device, dtype, shape):
     w = random_bytes(shape, dtype, seed=len(shape), device=device)
     out = moeext.shuffle_weight(w)
-    assert out.is_contiguous()
-    assert_same_bytes(out, reference.shuffle_weight(w.cpu()))
+    assert out.is_contiguous() and out.device == w.device
+    assert_same_bytes(out, reference.shuffle_weight(to_cpu(w)))
     assert_same_bytes(moeext.unshuffle_weight(out), w)
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
-def test_shuffle_weight_gate_up(dtype):
-    w = random_bytes((3, 64, 64), dtype, seed=4)
+def test_shuffle_weight_gate_up(device, dtype):
+    w = random_bytes((3, 64, 64), dtype, seed=4, device=device)
     out = moeext.shuffle_weight(w, (16, 16), gate_up=True)
-    assert_same_bytes(out, reference.shuffle_weight(w, gate_up=True))
+    assert out.device == w.device
+    assert_same_bytes(out, reference.shuffle_weight(to_cpu(w), gate_up=True))
     assert_same_bytes(moeext.unshuffle_weight(out, (16, 16), gate_up=True), w)
-    assert_same_bytes(reference.unshuffle_weight(out, gate_up=True), w)
+    assert_same_bytes(reference.unshuffle_weight(to_cpu(out), gate_up=True), w)
 
 
 @pytest.mark.parametrize("layout", [(16, 16), (32, 16), (16, 32), (8, 64)])
-def test_shuffle_weight_layouts(layout):
-    w = random_bytes((2, 64, 128), torch.uint8, seed=5)
+def test_shuffle_weight_layouts(device, layout):
+    w = random_bytes((2, 64, 128), torch.uint8, seed=5, device=device)
     out = moeext.shuffle_weight(w, layout)
-    assert_same_bytes(out, reference.shuffle_weight(w, layout))
+    assert_same_bytes(out, reference.shuffle_weight(w.cpu(), layout))
     assert_same_bytes(moeext.unshuffle_weight(out, layout), w)
 
 
-def test_shuffle_weight_non_contiguous():
-    base = random_bytes((4, 80, 160), torch.uint8, seed=6)
+def test_shuffle_weight_non_contiguous(device):
+    base = random_bytes((4, 80, 160), torch.uint8, seed=6, device=device)
+    unflattenable = random_bytes((3, 2, 32, 64), torch.uint8, 7, device).permute(1, 0, 2, 3)
     for w in (base[1:3, :64, :128],        # strided rows and experts
               base[::2, 16:48, 32:96],     # every other expert
               base[0, :64, :64:2],  # strided last dim: copied first
-              random_bytes((3, 2, 32, 64), torch.uint8, 7).permute(1, 0, 2, 3)):  # unflattenable lead
+              unflattenable):  # leading dims that no single stride describes
         assert not w.is_contiguous()
-        assert_same_bytes(moeext.shuffle_weight(w), reference.shuffle_weight(w.contiguous()))
+        assert_same_bytes(moeext.shuffle_weight(w), reference.shuffle_weight(w.cpu().contiguous()))
     shuffled = moeext.shuffle_weight(base[:, :64, :128].contiguous())
     view = torch.cat([shuffled, shuffled], dim=-1)[..., :128]  # a non-contiguous input
     assert_same_bytes(moeext.unshuffle_weight(view), base[:, :64, :128])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1), (37, 11), (256, 8), (257, 9), (512, 224), (0, 5)])
 def test_e8m0_shuffle(device, dtype, shape):
     s = random_bytes(shape, dtype, seed=shape[0], device=device)
     out = moeext.e8m0_shuffle(s)
     pm, pn = (shape[0] + 255) // 256 * 256, (shape[1] + 7) // 8 * 8
-    assert out.shape == (pm, pn) and out.dtype == dtype
-    assert_same_bytes(out, reference.e8m0_shuffle(s.cpu()))
+    assert out.shape == (pm, pn) and out.dtype == dtype and out.device == s.device
+    assert_same_bytes(out, reference.e8m0_shuffle(to_cpu(s)))
     assert_same_bytes(moeext.e8m0_unshuffle(out, *shape), s)
     # Padding is 0x7F (1.0), never NaN.
     padded = moeext.e8m0_unshuffle(out, pm, pn).view(torch.uint8)
+    assert padded.device == s.device
     assert bool((padded[shape[0]:] == 0x7F).all()) and bool((padded[:, shape[1]:] == 0x7F).all())
 
 
-def test_e8m0_shuffle_gate_up_and_strides():
-    s = random_bytes((4 * 64, 20), torch.uint8, seed=8)  # 4 experts x 2N=64 rows
+def test_e8m0_shuffle_gate_up_and_strides(device):
+    s = random_bytes((4 * 64, 20), torch.uint8, seed=8, device=device)  # 4 experts x 2N=64 rows
     out = moeext.e8m0_shuffle(s, gate_up=True, num_experts=4)
-    assert_same_bytes(out, reference.e8m0_shuffle(s, gate_up=True, num_experts=4))
+    assert out.device == s.device
+    assert_same_bytes(out, reference.e8m0_shuffle(s.cpu(), gate_up=True, num_experts=4))
     assert_same_bytes(moeext.e8m0_unshuffle(out, 256, 20, gate_up=True, num_experts=4), s)
-    wide = random_bytes((300, 40), torch.float8_e8m0fnu, seed=9)
+    wide = random_bytes((300, 40), torch.float8_e8m0fnu, seed=9, device=device)
     view = wide[::2, 3:30:3]  # strided rows and columns
-    assert_same_bytes(moeext.e8m0_shuffle(view), reference.e8m0_shuffle(view.contiguous()))
+    expected = reference.e8m0_shuffle(to_cpu(view).contiguous())
+    assert_same_bytes(moeext.e8m0_shuffle(view), expected)
 
 
+# Each case takes the device the test runs on (d) and makes its argument there.
 @pytest.mark.parametrize("call,message", [
-    (lambda: moeext.shuffle_weight(torch.zeros(32, dtype=torch.uint8)), "w must be at least 2-D"),
-    (lambda: moeext.shuffle_weight(torch.zeros(16, 32)), "w must have a 1- or 2-byte dtype"),
-    (lambda: moeext.shuffle_weight(torch.zeros(17, 32, dtype=torch.uint8)),
+    (lambda d: moeext.shuffle_weight(torch.zeros(32, dtype=torch.uint8, device=d)),
+     "w must be at least 2-D"),
+    (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, device=d)),
+     "w must have a 1- or 2-byte dtype"),
+    (lambda d: moeext.shuffle_weight(torch.zeros(17, 32, dtype=torch.uint8, device=d)),
      "N (17) must be a multiple of layout[0] (16)"),
-    (lambda: moeext.shuffle_weight(torch.zeros(16, 48, dtype=torch.uint8)),
+    (lambda d: moeext.shuffle_weight(torch.zeros(16, 48, dtype=torch.uint8, device=d)),
      "K (48) must be a multiple of 2 * layout[1] (32)"),
-    (lambda: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8), (16, 4)),
+    (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8, device=d), (16, 4)),
      "2 * layout[1] a multiple of 16 elements"),
-    (lambda: moeext.shuffle_weight(torch.zeros(32, 32, dtype=torch.uint8), gate_up=True),
+    (lambda d: moeext.shuffle_weight(torch.zeros(32, 32, dtype=torch.uint8, device=d),
+                                     gate_up=True),
      "gate_up=True needs a 3-D fused weight"),
-    (lambda: moeext.shuffle_weight(torch.zeros(2, 48, 32, dtype=torch.uint8), gate_up=True),
+    (lambda d: moeext.shuffle_weight(torch.zeros(2, 48, 32, dtype=torch.uint8, device=d),
+                                     gate_up=True),
      "gate_up=True needs 2N (48) to be a multiple of 32"),
-    (lambda: moeext.e8m0_shuffle(torch.zeros(4, 4)), "scale must be uint8 or float8_e8m0fnu"),
-    (lambda: moeext.e8m0_shuffle(torch.zeros(4, dtype=torch.uint8)), "scale must be 2-D"),
-    (lambda: moeext.e8m0_shuffle(torch.zeros(64, 4, dtype=torch.uint8), gate_up=True),
+    (lambda d: moeext.e8m0_shuffle(torch.zeros(4, 4, device=d)),
+     "scale must be uint8 or float8_e8m0fnu"),
+    (lambda d: moeext.e8m0_shuffle(torch.zeros(4, dtype=torch.uint8, device=d)),
+     "scale must be 2-D"),
+    (lambda d: moeext.e8m0_shuffle(torch.zeros(64, 4, dtype=torch.uint8, device=d),
+                                   gate_up=True),
      "gate_up=True needs num_experts"),
-    (lambda: moeext.e8m0_shuffle(torch.zeros(96, 4, dtype=torch.uint8), gate_up=True,
-                                 num_experts=2), "groups of 2N rows with 2N a multiple of 32"),
-    (lambda: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8), 300, 8),
+    (lambda d: moeext.e8m0_shuffle(torch.zeros(96, 4, dtype=torch.uint8, device=d), gate_up=True,
+                                   num_experts=2), "groups of 2N rows with 2N a multiple of 32"),
+    (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d), 300, 8),
      "shuffled must have the padded shape [512, 8]"),
 ])
-def test_invalid_arguments(call, message):
+def test_invalid_arguments(device, call, message):
     import re
 
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        call()
+        call(device)
 
 
 @pytest.mark.parametrize("gate_up", [False, True])
-def test_quantized_weights_survive_the_round_trip(gate_up):
+def test_quantized_weights_survive_the_round_trip(device, gate_up):
     """dequantize(unshuffle(shuffle(q))) == dequantize(q), for weights and scales."""
     from moeext import mxfp4
 
     g = torch.Generator().manual_seed(12)
     experts, rows, k = 3, 64, 256
     w = torch.randn(experts, rows, k, generator=g) * torch.logspace(-3, 3, k)
-    packed, scales = mxfp4.quantize(w)  # [E, rows, k/2], [E, rows, k/32]
-    fp4 = mxfp4.as_fp4x2(packed)
+    packed, scales = mxfp4.quantize(w)  # [E, rows, k/2], [E, rows, k/32], on the CPU
+    fp4 = mxfp4.as_fp4x2(packed.to(device))
     shuffled = moeext.shuffle_weight(fp4, gate_up=gate_up)
     assert shuffled.dtype == torch.float4_e2m1fn_x2
     assert not torch.equal(as_bytes(shuffled), as_bytes(fp4))
     restored = moeext.unshuffle_weight(shuffled, gate_up=gate_up)
 
-    flat_scales = mxfp4.as_e8m0(scales.reshape(experts * rows, k // 32))
+    flat_scales = mxfp4.as_e8m0(scales.reshape(experts * rows, k // 32).to(device))
     shuffled_scales = moeext.e8m0_shuffle(flat_scales, gate_up=gate_up,
                                           num_experts=experts if gate_up else None)
     restored_scales = moeext.e8m0_unshuffle(shuffled_scales, experts * rows, k // 32,
                                             gate_up=gate_up,
                                             num_experts=experts if gate_up else None)
-    restored_scales = restored_scales.reshape(experts, rows, k // 32)
-    torch.testing.assert_close(mxfp4.dequantize(restored, restored_scales),
+    assert restored.device == fp4.device and restored_scales.device == fp4.device
+    restored_scales = to_cpu(restored_scales).reshape(experts, rows, k // 32)
+    torch.testing.assert_close(mxfp4.dequantize(to_cpu(restored), restored_scales),
                                mxfp4.dequantize(packed, scales), rtol=0, atol=0)

@@ -42,20 +42,23 @@ class MoEBlock(torch.nn.Module):
         self.gate = gate
 
 
-def test_loads_a_deepseek_v3_gate_and_routes_like_the_reference():
-    state = deepseek_v3_gate_state_dict()
-    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG)
+def test_loads_a_deepseek_v3_gate_and_routes_like_the_reference(device):
+    state = deepseek_v3_gate_state_dict()  # on the CPU, as a checkpoint loads
+    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, device=device)
     model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": torch.nn.ModuleDict(
         {"3": torch.nn.ModuleDict({"mlp": MoEBlock(router)})})})})
     model.load_state_dict(state, strict=True)
     weight = state["model.layers.3.mlp.gate.weight"]
     bias = state["model.layers.3.mlp.gate.e_score_correction_bias"]
-    assert torch.equal(router.weight, weight)
+    assert router.weight.device == router.e_score_correction_bias.device
+    assert torch.equal(router.weight.cpu(), weight)
     assert router.e_score_correction_bias.dtype == torch.float32
-    assert torch.equal(router.e_score_correction_bias, bias)
+    assert torch.equal(router.e_score_correction_bias.cpu(), bias)
 
     hidden = torch.randn(2, 9, 7168, generator=torch.Generator().manual_seed(1)).bfloat16()
-    topk_weights, topk_ids, logits = router(hidden, return_logits=True)
+    topk_weights, topk_ids, logits = router(hidden.to(device), return_logits=True)
+    assert logits.device == topk_ids.device == router.weight.device
+    topk_weights, topk_ids, logits = topk_weights.cpu(), topk_ids.cpu(), logits.cpu()
     expected_logits = reference.router_gemm(hidden.view(-1, 7168), weight)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=2e-3)
     p = PRESETS["deepseek-v3"]
@@ -65,34 +68,37 @@ def test_loads_a_deepseek_v3_gate_and_routes_like_the_reference():
     torch.testing.assert_close(topk_weights, expected_w, rtol=1e-4, atol=1e-5)
 
 
-def test_bias_stays_fp32_through_dtype_casts():
+def test_bias_stays_fp32_through_dtype_casts(device):
     router = GroupedTopKRouter.from_preset("kimi-k2", 64, dtype=torch.float32)
     with torch.no_grad():
         router.e_score_correction_bias.copy_(2 + 2.0**-12 * torch.arange(384))
     exact = router.e_score_correction_bias.clone()
+    # The last cast moves the module too: the bias follows the device and keeps its dtype.
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.bfloat16(),
-                 lambda m: m.to("cpu", torch.bfloat16)):
+                 lambda m: m.to(device, torch.bfloat16)):
         router = cast(router)
         assert router.e_score_correction_bias.dtype == torch.float32
-        assert torch.equal(router.e_score_correction_bias, exact)
+        assert router.e_score_correction_bias.device == router.weight.device
+        assert torch.equal(router.e_score_correction_bias.cpu(), exact)
     assert router.weight.dtype == torch.bfloat16
     # A bf16 bias round would have merged neighbours 2^-12 apart.
     assert exact.bfloat16().unique().numel() < 384
 
 
-def test_loads_the_deepseek_inference_bias_name():
-    router = GroupedTopKRouter.from_preset("deepseek-v3", 128)
+def test_loads_the_deepseek_inference_bias_name(device):
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 128, device=device)
     bias = torch.randn(256)
     router.load_state_dict({"weight": torch.zeros(256, 128, dtype=torch.bfloat16),
                             "bias": bias}, strict=True)
-    assert torch.equal(router.e_score_correction_bias, bias)
+    assert router.e_score_correction_bias.device == router.weight.device
+    assert torch.equal(router.e_score_correction_bias.cpu(), bias)
 
 
 @pytest.mark.parametrize("config,expected", [
     (DEEPSEEK_V3_CONFIG, "deepseek-v3"), (KIMI_K2_CONFIG, "kimi-k2"),
     (GLM_45_CONFIG, "glm-4.5"), (DEEPSEEK_V2_CONFIG, "deepseek-v2"),
 ])
-def test_from_config_matches_the_preset(config, expected):
+def test_from_config_matches_the_preset(config, expected):  # configuration only: no tensors run
     router = GroupedTopKRouter.from_config(config)
     p = PRESETS[expected]
     assert (router.num_experts, router.num_expert_group, router.topk_group, router.top_k,
@@ -105,22 +111,24 @@ def test_from_config_matches_the_preset(config, expected):
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_routes_like_the_reference(preset):
-    router = GroupedTopKRouter.from_preset(preset, 96)
+def test_every_preset_routes_like_the_reference(device, preset):
+    router = GroupedTopKRouter.from_preset(preset, 96)  # built on the CPU, then moved
     if router.e_score_correction_bias is not None:
         with torch.no_grad():
             router.e_score_correction_bias.normal_(2.0, 0.05)
-    hidden = torch.randn(33, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    router = router.to(device)
+    hidden = torch.randn(33, 96, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
     topk_weights, topk_ids, logits = router(hidden, return_logits=True)
-    assert logits.dtype == torch.float32
+    assert logits.dtype == torch.float32 and logits.device == hidden.device
     assert torch.equal(logits, moeext.router_gemm(hidden, router.weight))
     assert_routing_matches(topk_weights, topk_ids, logits, router.e_score_correction_bias,
                            **PRESETS[preset].op_kwargs())
 
 
-def test_bf16_logits():
-    router = GroupedTopKRouter.from_preset("deepseek-v3", 200, logits_dtype=torch.bfloat16)
-    hidden = torch.randn(5, 200).bfloat16()
+def test_bf16_logits(device):
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 200, logits_dtype=torch.bfloat16,
+                                           device=device)
+    hidden = torch.randn(5, 200, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
     _, _, logits = router(hidden, return_logits=True)
     assert logits.dtype == torch.bfloat16
     assert torch.equal(logits, moeext.router_gemm(hidden, router.weight, torch.bfloat16))
@@ -128,23 +136,24 @@ def test_bf16_logits():
         GroupedTopKRouter(8, 4, logits_dtype=torch.float16)
 
 
-def test_hidden_states_of_the_wrong_dtype_raise():
-    router = GroupedTopKRouter.from_preset("glm-4.5", 64)
+def test_hidden_states_of_the_wrong_dtype_raise(device):
+    router = GroupedTopKRouter.from_preset("glm-4.5", 64, device=device)
     with pytest.raises(RuntimeError, match=r"router_gemm: weight must have the dtype of "
                                            r"hidden_states \(Float\), got BFloat16"):
-        router(torch.randn(3, 64))
+        router(torch.randn(3, 64, device=device))
 
 
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
-def test_compile_fullgraph(logits_dtype):
+def test_compile_fullgraph(device, logits_dtype):
     torch._dynamo.reset()
     router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG | {"hidden_size": 256},
-                                           logits_dtype=logits_dtype)
+                                           logits_dtype=logits_dtype, device=device)
     with torch.no_grad():
         router.e_score_correction_bias.normal_(2.0, 0.05)
     compiled = torch.compile(router, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
     for num_tokens in (1, 7, 40):
-        hidden = torch.randn(num_tokens, 256).bfloat16()
+        hidden = torch.randn(num_tokens, 256, generator=g).bfloat16().to(device)
         with torch.inference_mode():  # as engines run it: the ops have no autograd
             expected = router(hidden, return_logits=True)
             got = compiled(hidden, return_logits=True)

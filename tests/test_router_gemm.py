@@ -12,12 +12,13 @@ from moeext import reference
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def make_inputs(num_tokens, hidden_size, num_experts, dtype=torch.bfloat16, seed=0):
+def make_inputs(num_tokens, hidden_size, num_experts, dtype=torch.bfloat16, seed=0,
+                device="cpu"):
     """Hidden states of unit scale and a gate weight of DeepSeek-V3's init scale (~0.02)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, hidden_size, generator=g).to(dtype)
     weight = (0.02 * torch.randn(num_experts, hidden_size, generator=g)).to(dtype)
-    return hidden, weight
+    return hidden.to(device), weight.to(device)
 
 
 def fp32_tolerance(hidden, weight):
@@ -34,9 +35,11 @@ def fp32_tolerance(hidden, weight):
 
 
 def assert_close_to_reference(got, hidden, weight, out_dtype=None):
+    """Checks got against the exact product, computed on the CPU whatever got's device."""
     expected_dtype = torch.float32 if out_dtype is None else out_dtype
     assert got.shape == (hidden.shape[0], weight.shape[0])
     assert got.dtype == expected_dtype and got.device == hidden.device
+    got, hidden, weight = got.cpu(), hidden.cpu(), weight.cpu()
     exact = hidden.double() @ weight.double().T
     tolerance = fp32_tolerance(hidden, weight)
     if expected_dtype == torch.bfloat16:
@@ -59,16 +62,16 @@ NUM_EXPERTS = [256, 384, 160, 7]
 @pytest.mark.parametrize("num_experts", NUM_EXPERTS)
 @pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 3, 16, 17, 100])
-def test_matches_fp64_reference(num_tokens, hidden_size, num_experts):
+def test_matches_fp64_reference(device, num_tokens, hidden_size, num_experts):
     hidden, weight = make_inputs(num_tokens, hidden_size, num_experts,
-                                 seed=num_tokens + hidden_size + num_experts)
+                                 seed=num_tokens + hidden_size + num_experts, device=device)
     assert_close_to_reference(moeext.router_gemm(hidden, weight), hidden, weight)
 
 
 @pytest.mark.parametrize("hidden_size,num_experts", [(7168, 256), (6144, 384), (4096, 160),
                                                      (1000, 7)])
-def test_prefill_2048_tokens(hidden_size, num_experts):
-    hidden, weight = make_inputs(2048, hidden_size, num_experts, seed=hidden_size)
+def test_prefill_2048_tokens(device, hidden_size, num_experts):
+    hidden, weight = make_inputs(2048, hidden_size, num_experts, seed=hidden_size, device=device)
     assert_close_to_reference(moeext.router_gemm(hidden, weight), hidden, weight)
 
 
@@ -78,9 +81,12 @@ def test_prefill_2048_tokens(hidden_size, num_experts):
     (1, 1000, 7), (3, 7168, 9), (17, 33, 160), (5, 32, 4), (6, 31, 5), (2, 1, 3), (4, 0, 6),
     (9, 65, 0), (16, 2048, 13),
 ])
-def test_every_cpu_path(cpu_isa, dtype, out_dtype, num_tokens, hidden_size, num_experts):
-    """Tile edges (tokens and experts not multiples of the tile), every K tail, H = 0 and 1."""
-    hidden, weight = make_inputs(num_tokens, hidden_size, num_experts, dtype, seed=hidden_size)
+def test_every_cpu_path(device_isa, dtype, out_dtype, num_tokens, hidden_size, num_experts):
+    """Tile edges (tokens and experts not multiples of the tile), every K tail, H = 0 and 1:
+    on every CPU path, and on each GPU."""
+    device, _ = device_isa
+    hidden, weight = make_inputs(num_tokens, hidden_size, num_experts, dtype, seed=hidden_size,
+                                 device=device)
     got = moeext.router_gemm(hidden, weight, out_dtype)
     assert_close_to_reference(got, hidden, weight, out_dtype)
     if hidden_size == 0:
@@ -88,35 +94,39 @@ def test_every_cpu_path(cpu_isa, dtype, out_dtype, num_tokens, hidden_size, num_
 
 
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
-def test_bf16_logits_are_the_fp32_logits_rounded_once(cpu_isa, dtype):
-    hidden, weight = make_inputs(37, 2000, 50, dtype)
+def test_bf16_logits_are_the_fp32_logits_rounded_once(device_isa, dtype):
+    device, _ = device_isa
+    hidden, weight = make_inputs(37, 2000, 50, dtype, device=device)
     fp32 = moeext.router_gemm(hidden, weight)
     bf16 = moeext.router_gemm(hidden, weight, torch.bfloat16)
     assert torch.equal(bf16, fp32.to(torch.bfloat16))
 
 
-def test_fp32_logits_are_not_rounded_to_bf16():
-    """What the op is for: fp32 logits much closer to exact than a bf16 GEMM's."""
-    hidden, weight = make_inputs(16, 7168, 256)
-    exact = reference.router_gemm(hidden, weight).double()
-    ours = (moeext.router_gemm(hidden, weight).double() - exact).abs().max()
-    bf16_gemm = (F.linear(hidden, weight).double() - exact).abs().max()
+def test_fp32_logits_are_not_rounded_to_bf16(device):
+    """What the op is for: fp32 logits much closer to exact than a bf16 GEMM's (on the same
+    device)."""
+    hidden, weight = make_inputs(16, 7168, 256, device=device)
+    exact = reference.router_gemm(hidden.cpu(), weight.cpu()).double()
+    ours = (moeext.router_gemm(hidden, weight).cpu().double() - exact).abs().max()
+    bf16_gemm = (F.linear(hidden, weight).cpu().double() - exact).abs().max()
     assert ours < bf16_gemm / 50, (ours, bf16_gemm)
 
 
-def test_paths_agree(cpu_isa):
+def test_paths_agree(device_isa):
     """Every path is within the same tolerance of the reference at DeepSeek-V3's shape."""
-    hidden, weight = make_inputs(4, 7168, 256, seed=3)
+    device, _ = device_isa
+    hidden, weight = make_inputs(4, 7168, 256, seed=3, device=device)
     assert_close_to_reference(moeext.router_gemm(hidden, weight), hidden, weight)
 
 
-def test_strided_rows_read_nothing_outside_the_view(cpu_isa):
+def test_strided_rows_read_nothing_outside_the_view(device_isa):
     """Row-strided inputs (slices of wider buffers) whose padding is NaN: masked tails must
     not read it, and the logits land in a fresh contiguous tensor."""
-    hidden, weight = make_inputs(13, 1001, 9)
-    hidden_buf = torch.full((26, 1040), float("nan"), dtype=torch.bfloat16)
+    device, _ = device_isa
+    hidden, weight = make_inputs(13, 1001, 9, device=device)
+    hidden_buf = torch.full((26, 1040), float("nan"), dtype=torch.bfloat16, device=device)
     hidden_buf[::2, :1001] = hidden
-    weight_buf = torch.full((9, 1100), float("nan"), dtype=torch.bfloat16)
+    weight_buf = torch.full((9, 1100), float("nan"), dtype=torch.bfloat16, device=device)
     weight_buf[:, :1001] = weight
     strided_hidden, strided_weight = hidden_buf[::2, :1001], weight_buf[:, :1001]
     assert strided_hidden.stride() == (2080, 1) and strided_weight.stride() == (1100, 1)
@@ -125,12 +135,16 @@ def test_strided_rows_read_nothing_outside_the_view(cpu_isa):
     assert_close_to_reference(got, hidden, weight)
 
 
-def test_non_finite_inputs_propagate(cpu_isa):
+def test_non_finite_inputs_propagate(device_isa):
+    device, _ = device_isa
     hidden, weight = make_inputs(6, 100, 10, torch.float32)
     hidden[1, 50] = float("nan")
     hidden[3, 99] = float("inf")  # in the K tail of every vector width
     weight[7, 0] = float("inf")
-    got = moeext.router_gemm(hidden, weight)
+    on_device = hidden.to(device)
+    got = moeext.router_gemm(on_device, weight.to(device))
+    assert got.device == on_device.device
+    got = got.cpu()
     exact = reference.router_gemm(hidden, weight)
     assert torch.equal(torch.isnan(got), torch.isnan(exact))
     assert torch.equal(torch.isinf(got), torch.isinf(exact))
@@ -139,7 +153,9 @@ def test_non_finite_inputs_propagate(cpu_isa):
 
 
 def test_result_does_not_depend_on_the_thread_count():
-    """Threads split the experts, never H: each logit is summed in one fixed order."""
+    """Threads split the experts, never H: each logit is summed in one fixed order.
+
+    CPU only: it is about torch's CPU thread pool."""
     hidden, weight = make_inputs(5, 7168, 256)
     threads = torch.get_num_threads()
     try:
@@ -160,33 +176,36 @@ def test_reference_is_the_exact_product_rounded_once():
     assert reference.router_gemm(hidden, weight, torch.bfloat16).dtype == torch.bfloat16
 
 
+# Each case makes its arguments on the device the test runs on; "{device}" in a message is
+# the device of hidden_states.
 ERROR_CASES = [
-    (lambda: (torch.randn(4), torch.randn(3, 4), None),
+    (lambda d: (torch.randn(4, device=d), torch.randn(3, 4, device=d), None),
      r"router_gemm: hidden_states must be 2-D \[num_tokens, hidden_size\], got shape \[4\]"),
-    (lambda: (torch.randn(2, 4), torch.randn(3, 4, 1), None),
+    (lambda d: (torch.randn(2, 4, device=d), torch.randn(3, 4, 1, device=d), None),
      r"router_gemm: weight must be 2-D \[num_experts, hidden_size\], got shape \[3, 4, 1\]"),
-    (lambda: (torch.randn(2, 4).double(), torch.randn(3, 4).double(), None),
+    (lambda d: (torch.randn(2, 4, device=d).double(), torch.randn(3, 4, device=d).double(), None),
      r"router_gemm: hidden_states must be float32, bfloat16 or float16, got Double"),
-    (lambda: (torch.randn(2, 4).bfloat16(), torch.randn(3, 4), None),
+    (lambda d: (torch.randn(2, 4, device=d).bfloat16(), torch.randn(3, 4, device=d), None),
      r"router_gemm: weight must have the dtype of hidden_states \(BFloat16\), got Float"),
-    (lambda: (torch.randn(2, 4), torch.randn(3, 5), None),
+    (lambda d: (torch.randn(2, 4, device=d), torch.randn(3, 5, device=d), None),
      r"router_gemm: weight must have shape \[num_experts, 4\] \(hidden_size of hidden_states\), "
      r"got \[3, 5\]"),
-    (lambda: (torch.randn(4, 2).T, torch.randn(3, 4), None),
+    (lambda d: (torch.randn(4, 2, device=d).T, torch.randn(3, 4, device=d), None),
      r"router_gemm: hidden_states must have contiguous rows \(stride\(1\) == 1\)"),
-    (lambda: (torch.randn(2, 4), torch.randn(4, 3).T, None),
+    (lambda d: (torch.randn(2, 4, device=d), torch.randn(4, 3, device=d).T, None),
      r"router_gemm: weight must have contiguous rows \(stride\(1\) == 1\)"),
-    (lambda: (torch.randn(2, 4), torch.randn(3, 4), torch.float16),
+    (lambda d: (torch.randn(2, 4, device=d), torch.randn(3, 4, device=d), torch.float16),
      r"router_gemm: out_dtype must be float32 or bfloat16 \(or None for float32\), got Half"),
-    (lambda: (torch.randn(2, 4), torch.randn(3, 4, device="meta"), None),
-     r"router_gemm: weight is on meta but hidden_states is on cpu"),
+    (lambda d: (torch.randn(2, 4, device=d), torch.randn(3, 4, device="meta"), None),
+     r"router_gemm: weight is on meta but hidden_states is on {device}"),
 ]
 
 
 @pytest.mark.parametrize("make_args,message", ERROR_CASES)
-def test_errors_name_the_argument(make_args, message):
-    with pytest.raises(RuntimeError, match=message):
-        moeext.router_gemm(*make_args())
+def test_errors_name_the_argument(device, make_args, message):
+    args = make_args(device)
+    with pytest.raises(RuntimeError, match=message.replace("{device}", str(args[0].device))):
+        moeext.router_gemm(*args)
 
 
 # Strides are the kernel's concern (the fake's outputs are fresh tensors), and the device
@@ -196,7 +215,7 @@ FAKE_ERROR_CASES = [c for c in ERROR_CASES[:-1] if "contiguous rows" not in c[1]
 
 @pytest.mark.parametrize("make_args,message", FAKE_ERROR_CASES)
 def test_fake_rejects_what_the_kernel_rejects(make_args, message):
-    hidden, weight, out_dtype = make_args()
+    hidden, weight, out_dtype = make_args("cpu")
     # Up to the dtype names, which Python and C++ spell differently.
     prefix = message.split(", got")[0].split(r" \(")[0]
     with pytest.raises(RuntimeError, match=prefix):
