@@ -14,16 +14,6 @@ MOEEXT_HOST_DEVICE inline int64_t tracked_row_end(int64_t stored_extent, int64_t
   return stored_extent <= 0 ? 0 : (stored_extent < row_end ? stored_extent : row_end);
 }
 
-// Widest store (16, 8, 4, 2 or 1 bytes) that `alignment` (the OR of every address and
-// length the stores must respect) allows.
-MOEEXT_HOST_DEVICE inline int zero_store_width(uint64_t alignment) {
-  return (alignment & 15) == 0  ? 16
-         : (alignment & 7) == 0 ? 8
-         : (alignment & 3) == 0 ? 4
-         : (alignment & 1) == 0 ? 2
-                                : 1;
-}
-
 // A grid-stride walk over a [rows, units_per_row] grid: the flattened indices first,
 // first + step, ... as (row, unit) pairs. Only the start divides; each step adds the step's
 // rows and units and carries once (step_units < units_per_row, so one carry suffices).

@@ -7,7 +7,9 @@
 // buffer allows and reads the previous extent on the device, so one captured graph stays
 // right on every replay; the extent is updated by a second one-thread launch on the same
 // stream, which starts only after every block of the first has read the old value.
+#include "cuda/access_width.h"
 #include "cuda/compat.h"
+#include "cuda/vector_access.h"
 #include "cuda/zero_rows_index.h"
 #include "moeext/zero_tail.h"
 
@@ -19,41 +21,13 @@ constexpr int kThreads = 256;
 // re-derive their (row, unit) start.
 constexpr int kBlocksPerSm = 8;
 
-template <int kWidth>
-struct StoreUnit;
-template <>
-struct StoreUnit<16> {
-  using Type = uint4;
-  __device__ __forceinline__ static Type zero() { return make_uint4(0, 0, 0, 0); }
-};
-template <>
-struct StoreUnit<8> {
-  using Type = uint2;
-  __device__ __forceinline__ static Type zero() { return make_uint2(0, 0); }
-};
-template <>
-struct StoreUnit<4> {
-  using Type = uint32_t;
-  __device__ __forceinline__ static Type zero() { return 0; }
-};
-template <>
-struct StoreUnit<2> {
-  using Type = uint16_t;
-  __device__ __forceinline__ static Type zero() { return 0; }
-};
-template <>
-struct StoreUnit<1> {
-  using Type = uint8_t;
-  __device__ __forceinline__ static Type zero() { return 0; }
-};
-
 // Zeroes rows [row_begin, end) with end = row_end, or tracked_row_end(*state, row_end) when
 // state is given; each thread takes every grid-size-th (row, unit) pair (RowUnitWalk).
 template <int kWidth>
 __global__ void __launch_bounds__(kThreads)
     zero_rows_kernel(unsigned char* data, int64_t row_stride, int64_t units_per_row,
                      int64_t row_begin, int64_t row_end, const int64_t* state) {
-  using Unit = StoreUnit<kWidth>;
+  using Unit = gpu::AccessUnit<kWidth>;
   const int64_t end = state != nullptr ? gpu::tracked_row_end(*state, row_end) : row_end;
   const int64_t rows = end - row_begin;
   if (rows <= 0) return;
@@ -74,7 +48,7 @@ GpuError launch_zero_rows(const ZeroRowsParams& p, const int64_t* state, gpu::St
   const int64_t stride_used = p.row_end - p.row_begin > 1 ? p.row_stride : 0;
   const uint64_t alignment = uint64_t(reinterpret_cast<uintptr_t>(p.data)) |
                              uint64_t(stride_used) | uint64_t(p.row_bytes);
-  const int width = gpu::zero_store_width(alignment);
+  const int width = gpu::widest_aligned_access(alignment);
   const int64_t units_per_row = p.row_bytes / width;
   const int64_t max_units = (p.row_end - p.row_begin) * units_per_row;
   const int64_t cap = int64_t(gpu::multiprocessor_count_of_current_device()) * kBlocksPerSm;

@@ -1,5 +1,5 @@
 // Host unit test of csrc/cuda/zero_rows_index.h: the tracked extent clamp (the CPU's
-// semantics), the store width, and the grid-stride (row, unit) walk of the zeroing kernel.
+// semantics) and the grid-stride (row, unit) walk of the zeroing kernel.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -39,16 +39,6 @@ void test_tracked_row_end() {
   }
 }
 
-void test_store_width() {
-  for (uint64_t alignment = 0; alignment < 1024; ++alignment) {
-    const int width = gpu::zero_store_width(alignment);
-    const bool valid = width == 1 || width == 2 || width == 4 || width == 8 || width == 16;
-    CHECK(valid && alignment % uint64_t(width) == 0 &&
-              (width == 16 || alignment % uint64_t(2 * width) != 0),
-          "zero_store_width(%llu) = %d", static_cast<unsigned long long>(alignment), width);
-  }
-}
-
 // Every thread of a grid of `threads` walks from its own index in steps of `threads`; every
 // (row, unit) of [rows, units] must be visited exactly once.
 void test_walk(int64_t rows, int64_t units, int64_t threads) {
@@ -76,7 +66,6 @@ void test_walk(int64_t rows, int64_t units, int64_t threads) {
 
 int main() {
   test_tracked_row_end();
-  test_store_width();
   for (int64_t rows : {1, 2, 3, 17, 100}) {
     for (int64_t units : {1, 2, 3, 7, 16, 64, 250, 256, 257, 1000}) {
       for (int64_t threads : {1, 5, 64, 255, 256, 512, 768, 2048}) test_walk(rows, units, threads);
