@@ -13,7 +13,8 @@
 //     (router_gemm_tiling.h), then across the block's warps through shared memory in a fixed
 //     order.
 // Every sum is formed in the same order whatever the token count, the instance and the
-// other tokens, so a token's logits do not depend on the batch it came in.
+// other tokens (the reduce-scatter adds the same pairs as a full butterfly), so a token's
+// logits do not depend on the batch it came in (up to the sign of an exact zero).
 // Token rows past the runtime count repeat the last row (loads of the same addresses, all
 // in one basic block so the loads of every token can be issued before the FMAs) and are
 // never written.
@@ -92,8 +93,8 @@ __device__ __forceinline__ void store_logit(gpu::bf16* out, float value) {
 }
 
 // Reduce-scatter over the warp (see router_gemm_tiling.h): each step over lane mask kMask
-// halves the values a lane holds; once one value is left, or the lanes run out, the rest of
-// the butterfly is plain sums.
+// halves the values a lane holds; once one value is left the remaining steps are plain
+// sums, and if the lanes run out first each lane ends with N values.
 template <int kMask, int N, int kOut>
 __device__ __forceinline__ void warp_reduce_scatter(const float (&v)[N], int lane,
                                                     float (&out)[kOut]) {
@@ -279,11 +280,11 @@ bool router_gemm_cuda_supported(const RouterGemmParams& params) {
 }
 
 GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream) {
+  if (params.num_tokens == 0 || params.num_experts == 0) return nullptr;  // no logits
   if (!router_gemm_cuda_supported(params)) {
     return "router_gemm_cuda: params not supported by the small-T kernel (needs 1..16 tokens, "
            "hidden_size % 8 == 0, 16-byte aligned rows); check router_gemm_cuda_supported";
   }
-  if (params.num_experts == 0) return nullptr;
   const gpu::Stream s = gpu::as_stream(stream);
   switch (gpu::warp_size_of_current_device()) {
     case 32:
