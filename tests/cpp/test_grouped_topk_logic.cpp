@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "check.h"
 #include "cuda/grouped_topk_logic.h"
 
 namespace gt = moeext::gpu::grouped_topk;
@@ -16,24 +17,11 @@ using moeext::gpu::float_bits;
 
 namespace {
 
-int failures = 0;
-
 void fail(const char* what, float a, uint32_t i, float b, uint32_t j) {
-  if (++failures <= 20) {
+  if (moeext_test::report_failure()) {
     std::printf("%s: (%08x, %u) vs (%08x, %u)\n", what, float_bits(a), i, float_bits(b), j);
   }
 }
-
-#define CHECK(cond, ...)                                        \
-  do {                                                          \
-    if (!(cond)) {                                              \
-      if (++failures <= 20) {                                   \
-        std::printf("%s:%d: %s: ", __FILE__, __LINE__, #cond);  \
-        std::printf(__VA_ARGS__);                               \
-        std::printf("\n");                                      \
-      }                                                         \
-    }                                                           \
-  } while (0)
 
 const float kInf = std::numeric_limits<float>::infinity();
 
@@ -371,10 +359,5 @@ int main() {
   test_weights();
   test_plan();
   test_general_layout();
-  if (failures != 0) {
-    std::printf("%d failures\n", failures);
-    return 1;
-  }
-  std::printf("grouped_topk_logic: ok\n");
-  return 0;
+  return moeext_test::finish("grouped_topk_logic");
 }

@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "check.h"
 #include "cuda/router_gemm_tiling.h"
 
 namespace gpu = moeext::gpu;
@@ -14,17 +15,6 @@ using moeext::RouterGemmParams;
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond, ...)                              \
-  do {                                                \
-    if (!(cond)) {                                    \
-      std::printf("FAILED %s: ", #cond);              \
-      std::printf(__VA_ARGS__);                       \
-      std::printf("\n");                              \
-      ++failures;                                     \
-    }                                                 \
-  } while (0)
 
 void test_token_tiles() {
   for (int64_t t = -2; t <= 40; ++t) {
@@ -206,10 +196,5 @@ int main() {
   for (int warp : {32, 64}) {
     for (int values = 1; values <= 4 * warp; values *= 2) test_reduce_scatter(warp, values, rng);
   }
-  if (failures != 0) {
-    std::printf("%d failures\n", failures);
-    return 1;
-  }
-  std::printf("router_gemm tiling: ok\n");
-  return 0;
+  return moeext_test::finish("router_gemm tiling");
 }

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "cuda/shuffle_index.h"
 
 namespace gpu = moeext::gpu;
@@ -16,17 +17,6 @@ using moeext::gate_up_source_row;
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond, ...)                 \
-  do {                                   \
-    if (!(cond)) {                       \
-      std::printf("FAILED %s: ", #cond); \
-      std::printf(__VA_ARGS__);          \
-      std::printf("\n");                 \
-      ++failures;                        \
-    }                                    \
-  } while (0)
 
 using ll = long long;
 
@@ -422,10 +412,5 @@ int main() {
       test_e8m0_replay(experts * rows_per_expert, n, rows_per_expert, 2, rng);
     }
   }
-  if (failures != 0) {
-    std::printf("%d failures\n", failures);
-    return 1;
-  }
-  std::printf("shuffle index: ok\n");
-  return 0;
+  return moeext_test::finish("shuffle index");
 }

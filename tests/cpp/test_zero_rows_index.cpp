@@ -6,23 +6,13 @@
 #include <limits>
 #include <vector>
 
+#include "check.h"
 #include "cuda/zero_rows_index.h"
 
 namespace gpu = moeext::gpu;
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond, ...)                 \
-  do {                                   \
-    if (!(cond)) {                       \
-      std::printf("FAILED %s: ", #cond); \
-      std::printf(__VA_ARGS__);          \
-      std::printf("\n");                 \
-      ++failures;                        \
-    }                                    \
-  } while (0)
 
 void test_tracked_row_end() {
   const int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
@@ -71,10 +61,5 @@ int main() {
       for (int64_t threads : {1, 5, 64, 255, 256, 512, 768, 2048}) test_walk(rows, units, threads);
     }
   }
-  if (failures != 0) {
-    std::printf("%d failures\n", failures);
-    return 1;
-  }
-  std::printf("zero_rows index: ok\n");
-  return 0;
+  return moeext_test::finish("zero_rows index");
 }
