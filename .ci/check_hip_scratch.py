@@ -46,8 +46,9 @@ def main(paths):
             else:
                 print(f"SCRATCH: {path}: {name} uses {scratch} B of scratch memory")
                 failed += 1
-        if not found:
-            print(f"check_hip_scratch: no functions found in {path}")
+        kernels = open(path, encoding="utf-8", errors="replace").read().count(".amdhsa_kernel ")
+        if kernels and not found:  # the parser no longer understands the assembly
+            print(f"check_hip_scratch: {kernels} kernels in {path} but no ScratchSize read")
             failed += 1
     return 1 if failed else 0
 
