@@ -1,10 +1,11 @@
 // The MXFP4 shuffles are pure data movement: 16-byte chunks (weights) and bytes (scales).
 // 16-byte memcpy compiles to one unaligned vector load and store on every x86-64 and Arm,
 // so there is no per-ISA copy of this file. Every loop writes its output sequentially.
+#include <algorithm>
 #include <cstring>
 
 #if defined(__SSE2__)
-#include <emmintrin.h>
+#include <emmintrin.h>  // SSE2; _mm_prefetch comes with it
 #endif
 
 #include "moeext/mxfp4_shuffle.h"
@@ -64,6 +65,24 @@ constexpr TileSource kTileSource = make_tile_source();
 // interleaving row c4 with row 16 + c4 bytewise gives the pairs (h = 0, h = 1) of each column;
 // pairing column f with column 4 + f makes the 4-byte word q_f that lands at f*64 + c4*4;
 // a 4x4 transpose of those words over four rows c4 then yields 16 contiguous output bytes.
+#if defined(__SSE2__)
+// The words q_f of one row pair from its bytewise interleave (pairs p0..p7 in the low half).
+inline __m128i pair_words(__m128i pairs) {
+  return _mm_unpacklo_epi16(pairs, _mm_srli_si128(pairs, 8));  // q_f = (p_f, p_{4+f})
+}
+
+// Rows c4 = 4g..4g+3 (their words in q) -> the 16 bytes at out + f*64 + g*16 for each f.
+inline void store_word_group(const __m128i* q, uint8_t* out, int g) {
+  const __m128i t0 = _mm_unpacklo_epi32(q[0], q[1]), t1 = _mm_unpacklo_epi32(q[2], q[3]);
+  const __m128i t2 = _mm_unpackhi_epi32(q[0], q[1]), t3 = _mm_unpackhi_epi32(q[2], q[3]);
+  const __m128i by_f[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
+                           _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
+  for (int f = 0; f < 4; ++f) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + f * 64 + g * 16), by_f[f]);
+  }
+}
+#endif
+
 inline void permute_tile(const uint8_t* const* rows, uint8_t* out) {
 #if defined(__SSE2__)
   for (int g = 0; g < 4; ++g) {
@@ -72,16 +91,9 @@ inline void permute_tile(const uint8_t* const* rows, uint8_t* out) {
       const int c4 = g * 4 + r;
       const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[c4]));
       const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[16 + c4]));
-      const __m128i pairs = _mm_unpacklo_epi8(lo, hi);             // p0 .. p7
-      q[r] = _mm_unpacklo_epi16(pairs, _mm_srli_si128(pairs, 8));  // q_f = (p_f, p_{4+f})
+      q[r] = pair_words(_mm_unpacklo_epi8(lo, hi));
     }
-    const __m128i t0 = _mm_unpacklo_epi32(q[0], q[1]), t1 = _mm_unpacklo_epi32(q[2], q[3]);
-    const __m128i t2 = _mm_unpackhi_epi32(q[0], q[1]), t3 = _mm_unpackhi_epi32(q[2], q[3]);
-    const __m128i by_f[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
-                             _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
-    for (int f = 0; f < 4; ++f) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + f * 64 + g * 16), by_f[f]);
-    }
+    store_word_group(q, out, g);
   }
 #else
   for (int q = 0; q < 256; ++q) {
@@ -89,6 +101,59 @@ inline void permute_tile(const uint8_t* const* rows, uint8_t* out) {
     out[q] = rows[i][j];
   }
 #endif
+}
+
+// Source of the block after the current one, when its halves are dense rows (half_bytes 0:
+// nothing to prefetch).
+struct NextBlock {
+  const uint8_t* top = nullptr;
+  const uint8_t* bottom = nullptr;
+  int64_t half_bytes = 0;
+};
+
+// The common block: rows 0..15 at top + c4 * row_stride, rows 16..31 at bottom + c4 *
+// row_stride (gate/up interleaving keeps each 16-row half evenly strided), columns contiguous,
+// tiles [0, tiles) all inside the row. Addresses come from two bases and one stride instead
+// of a table of 32 row pointers per tile (which cost more than the permutation), and one
+// 16-byte load per row feeds two tiles.
+inline void permute_strided_tiles(const uint8_t* top, const uint8_t* bottom, int64_t row_stride,
+                                  int64_t tiles, uint8_t* out, const NextBlock& next) {
+  int64_t d = 0;
+#if defined(__SSE2__)
+  // The tiles read 32 rows side by side, a pattern the hardware prefetchers do not follow: the
+  // next block's two halves are prefetched a slice per tile pair (2x at 29 MB of scales).
+  const int64_t slice = ((next.half_bytes * 2 / std::max<int64_t>(tiles, 2)) + 63) & ~int64_t(63);
+  int64_t fetched = 0;
+  for (; d + 2 <= tiles; d += 2, out += 512) {
+    for (const int64_t end = std::min(fetched + slice, next.half_bytes); fetched < end;
+         fetched += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(next.top + fetched), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next.bottom + fetched), _MM_HINT_T0);
+    }
+    for (int g = 0; g < 4; ++g) {
+      __m128i first[4], second[4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t at = (g * 4 + r) * row_stride + d * 8;
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(top + at));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bottom + at));
+        first[r] = pair_words(_mm_unpacklo_epi8(lo, hi));
+        second[r] = pair_words(_mm_unpackhi_epi8(lo, hi));
+      }
+      store_word_group(first, out, g);
+      store_word_group(second, out + 256, g);
+    }
+  }
+#else
+  (void)next;
+#endif
+  for (; d < tiles; ++d, out += 256) {
+    const uint8_t* rows[32];
+    for (int64_t c4 = 0; c4 < 16; ++c4) {
+      rows[c4] = top + c4 * row_stride + d * 8;
+      rows[16 + c4] = bottom + c4 * row_stride + d * 8;
+    }
+    permute_tile(rows, out);
+  }
 }
 
 // Padded row r of the (interleaved) scale matrix -> source row, or -1 for padding.
@@ -116,8 +181,26 @@ void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t b
     }
     uint8_t* out = p.shuffled + a * 32 * p.padded_n;
     bool all_rows = true;
-    for (int64_t i = 0; i < 32; ++i) all_rows = all_rows && src_rows[i] != nullptr;
-    for (int64_t d = 0; d < p.padded_n / 8; ++d, out += 256) {
+    bool strided_halves = p.col_stride == 1;
+    for (int64_t i = 0; i < 32; ++i) {
+      all_rows = all_rows && src_rows[i] != nullptr;
+      strided_halves = strided_halves && all_rows &&
+                       src_rows[i] == src_rows[i & 16] + (i & 15) * p.row_stride;
+    }
+    int64_t d = 0;
+    if (strided_halves) {
+      d = p.n / 8;  // the tiles whose 8 columns all exist
+      NextBlock next;
+      const int64_t next_top = scale_source_row(p, a * 32 + 32);
+      const int64_t next_bottom = scale_source_row(p, a * 32 + 48);
+      if (a + 1 < block_end && p.row_stride == p.n && next_top >= 0 && next_bottom >= 0) {
+        next = {p.scale + next_top * p.row_stride, p.scale + next_bottom * p.row_stride,
+                16 * p.row_stride};
+      }
+      permute_strided_tiles(src_rows[0], src_rows[16], p.row_stride, d, out, next);
+      out += d * 256;
+    }
+    for (; d < p.padded_n / 8; ++d, out += 256) {
       const int64_t c0 = d * 8;
       const uint8_t* rows[32];
       uint8_t tile[256];  // padded copy, only for edge tiles and strided columns
