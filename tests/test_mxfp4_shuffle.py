@@ -136,8 +136,11 @@ def test_shuffle_weight_non_contiguous(device):
 
 
 @pytest.mark.parametrize("dtype", SCALE_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1, 1), (37, 11), (256, 8), (257, 9), (512, 224), (0, 5)])
-def test_e8m0_shuffle(device, dtype, shape):
+# Tiles per block (n / 8): 0-2 take the 16-byte path only, 5 and 7 the 32-byte path and a rest.
+@pytest.mark.parametrize("shape", [(1, 1), (37, 11), (256, 8), (257, 9), (512, 224), (0, 5),
+                                   (96, 40), (320, 56)])
+def test_e8m0_shuffle(device_isa, dtype, shape):
+    device, _ = device_isa
     s = random_bytes(shape, dtype, seed=shape[0], device=device)
     out = moeext.e8m0_shuffle(s)
     pm, pn = (shape[0] + 255) // 256 * 256, (shape[1] + 7) // 8 * 8
@@ -150,16 +153,19 @@ def test_e8m0_shuffle(device, dtype, shape):
     assert bool((padded[shape[0]:] == 0x7F).all()) and bool((padded[:, shape[1]:] == 0x7F).all())
 
 
-def test_e8m0_shuffle_gate_up_and_strides(device):
-    s = random_bytes((4 * 64, 20), torch.uint8, seed=8, device=device)  # 4 experts x 2N=64 rows
+@pytest.mark.parametrize("n", [20, 224])
+def test_e8m0_shuffle_gate_up_and_strides(device_isa, n):
+    device, _ = device_isa
+    s = random_bytes((4 * 64, n), torch.uint8, seed=8, device=device)  # 4 experts x 2N=64 rows
     out = moeext.e8m0_shuffle(s, gate_up=True, num_experts=4)
     assert out.device == s.device
     assert_same_bytes(out, reference.e8m0_shuffle(s.cpu(), gate_up=True, num_experts=4))
-    assert_same_bytes(moeext.e8m0_unshuffle(out, 256, 20, gate_up=True, num_experts=4), s)
-    wide = random_bytes((300, 40), torch.float8_e8m0fnu, seed=9, device=device)
-    view = wide[::2, 3:30:3]  # strided rows and columns
-    expected = reference.e8m0_shuffle(to_cpu(view).contiguous())
-    assert_same_bytes(moeext.e8m0_shuffle(view), expected)
+    assert_same_bytes(moeext.e8m0_unshuffle(out, 256, n, gate_up=True, num_experts=4), s)
+    wide = random_bytes((300, 2 * n), torch.float8_e8m0fnu, seed=9, device=device)
+    for view in (wide[::2, 3:30:3],  # strided rows and columns
+                 wide[:, 5:5 + n]):  # strided rows, contiguous columns
+        expected = reference.e8m0_shuffle(to_cpu(view).contiguous())
+        assert_same_bytes(moeext.e8m0_shuffle(view), expected)
 
 
 # Each case takes the device the test runs on (d) and makes its argument there.
