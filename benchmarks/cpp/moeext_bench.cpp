@@ -7,6 +7,10 @@
 //   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16] [--threads N]
 #include <omp.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -130,6 +134,46 @@ double measure_peak_gbs(const Options& opt) {
     best = std::max(best, 2.0 * bytes / s / 1e9);
   }
   return best;
+}
+
+#if defined(MOEEXT_HAVE_AVX512BF16) && defined(__x86_64__)
+// 16 independent vdpbf16ps chains per thread: the multiply-add rate no bf16 GEMM on this CPU
+// can beat, for reading router_gemm's compute-bound rows (a row of T x E x H multiply-adds).
+__attribute__((target("avx512f,avx512bf16"))) double dot_gmacs_one_thread(long steps) {
+  __m512 acc[16];
+  for (__m512& a : acc) a = _mm512_setzero_ps();
+  __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80);  // 1.0
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x0001);  // a denormal: the sums stay 0
+  const auto start = Clock::now();
+  for (long s = 0; s < steps; ++s) {
+#pragma GCC unroll 16
+    for (__m512& a : acc) a = _mm512_dpbf16_ps(a, x, y);
+    asm volatile("" : "+v"(x));
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (__m512& a : acc) asm volatile("" : : "v"(a));  // keep the chains live
+  return 16.0 * 32.0 * double(steps) / seconds / 1e9;
+}
+#endif
+
+// The bf16 multiply-add peak of all threads (GMAC/s), or 0 where vdpbf16ps is missing.
+double measure_peak_bf16_gmacs(const Options& opt) {
+#if defined(MOEEXT_HAVE_AVX512BF16) && defined(__x86_64__)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512bf16")) return 0;
+  const long steps = opt.quick ? 2'000'000 : 20'000'000;
+  double total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) best = std::max(best, dot_gmacs_one_thread(steps));
+    total += best;
+  }
+  return total;
+#else
+  (void)opt;
+  return 0;
+#endif
 }
 
 uint16_t to_bf16(float x) {
@@ -398,11 +442,13 @@ int main(int argc, char** argv) {
   add_zero_tail(all, opt);
 
   const double peak = measure_peak_gbs(opt);
+  const double dot_peak = measure_peak_bf16_gmacs(opt);
   const char* sep = opt.csv ? "," : " ";
   std::printf("# moeext_bench | %s | CPU path %s | %d threads | LLC %.0f MiB | peak %.1f GB/s "
-              "(streaming copy, read + write)\n",
+              "(streaming copy, read + write) | bf16 dot peak %.0f GMAC/s (vdpbf16ps, all "
+              "threads)\n",
               cpu_model().c_str(), moeext::cpu_isa_name(moeext::cpu_isa_active()),
-              omp_get_max_threads(), last_level_cache_bytes() / (1 << 20), peak);
+              omp_get_max_threads(), last_level_cache_bytes() / (1 << 20), peak, dot_peak);
   if (opt.csv) {
     std::printf("op,backend,shape,samples,median_us,noise_pct,bytes,GB_s,pct_peak\n");
   } else {
