@@ -54,9 +54,12 @@ inline Vec score(Vec x) {
     return Vec::set1(1.0f) / (Vec::set1(1.0f) + vexp(Vec::set1(0.0f) - x));
   } else {
     static_assert(kScore == ScoringFunc::kSqrtSoftplus, "softmax is computed row-wide");
-    // softplus with torch's threshold: x itself above 20.
-    const Vec softplus = vlog1p(vexp(x));
-    return Vec::sqrt(Vec::select(Vec::cmp_gt(x, Vec::set1(20.0f)), x, softplus));
+    // softplus(x) = max(x, 0) + log1p(exp(-|x|)): the log1p argument stays in (0, 1], where
+    // it needs no divide (vlog1p_unit). Above x = 20 (torch's threshold for returning x) the
+    // log1p term is below half an ulp of x, so the sum rounds to x as torch's does.
+    const Vec zero = Vec::set1(0.0f);
+    const Vec neg_abs = Vec::min(x, zero - x);  // NaN x: min returns its second operand, NaN
+    return Vec::sqrt(Vec::max(x, zero) + vlog1p_unit(vexp(neg_abs)));
   }
 }
 

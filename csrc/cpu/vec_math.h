@@ -45,13 +45,13 @@ inline Vec vlog(Vec x) {
   return Vec::fmadd(e, Vec::set1(0.693359375f), m + y);
 }
 
-// log(1 + y) for y >= 0, accurate for tiny y: log(u) * y / (u - 1) with u = 1 + y cancels
-// the rounding of u (Goldberg's trick); u == 1 means log1p(y) == y to working precision.
-inline Vec vlog1p(Vec y) {
-  const Vec u = y + Vec::set1(1.0f);
-  const Vec d = u - Vec::set1(1.0f);
-  const Vec ratio = y / Vec::select(Vec::cmp_eq(d, Vec::set1(0.0f)), Vec::set1(1.0f), d);
-  return Vec::select(Vec::cmp_eq(d, Vec::set1(0.0f)), y, vlog(u) * ratio);
+// log(1 + t) for t in [0, 1]: log(u) of the rounded u = 1 + t, plus the part of t that the
+// rounding dropped, c = t - (u - 1) (exact), times dlog/du = 1 / u. c is below half an ulp of
+// u, so 1 / u needs no divide: the reciprocal estimate's error vanishes in c / u.
+inline Vec vlog1p_unit(Vec t) {
+  const Vec u = t + Vec::set1(1.0f);
+  const Vec c = t - (u - Vec::set1(1.0f));
+  return Vec::fmadd(c, Vec::reciprocal(u), vlog(u));
 }
 
 }  // namespace moeext::cpu::MOEEXT_CPU_ISA

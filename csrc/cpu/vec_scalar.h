@@ -35,6 +35,7 @@ struct Vec {
   static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
   static Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
   static Vec sqrt(Vec a) { return {std::sqrt(a.v)}; }
+  static Vec reciprocal(Vec d) { return {1.0f / d.v}; }
   static Vec round(Vec a) { return {std::nearbyint(a.v)}; }
   // a * 2^n for integral n (NaN n gives NaN).
   static Vec scalef(Vec a, Vec n) {
