@@ -185,16 +185,6 @@ inline uint64_t rank_position(const Vec* rank, int64_t r) {
   return bits;
 }
 
-// The k-th largest of values[0, n).
-template <int64_t kVecs>
-struct KthLargest {
-  static float run(const float* values, int64_t n, int64_t k) {
-    Vec rank[kVecs];
-    rank_values<kVecs>(values, n, rank);
-    return values[__builtin_ctzll(rank_position<kVecs>(rank, k - 1))];
-  }
-};
-
 // ws.chosen[0, k) = the candidate ids of ranks 0..k-1.
 template <int64_t kVecs>
 struct ChooseRanked {
@@ -302,27 +292,31 @@ inline int64_t kept_ranges(const float* group_scores, int64_t num_groups, int64_
 // k distinct experts at or above it (a -inf fill standing in for a missing expert only lowers
 // the floor). With k <= W the lane maxima alone give a floor almost as tight at a quarter of
 // the ranking work. Returns -inf for k > 2W: every expert is a candidate.
-inline float floor_from_lanes(const LaneTop2& top, int64_t k, const GroupedTopkWorkspace& ws) {
+inline float floor_from_lanes(const LaneTop2& top, int64_t k) {
   if (k > 2 * W) return kNegInf;
-  const auto all = Vec::tail_mask(W);
-  top.first.store(ws.candidates, all);
-  top.second.store(ws.candidates + W, all);
-  const int64_t n = k <= W ? W : 2 * W;
-  return with_rank_vecs<KthLargest>(n, static_cast<const float*>(ws.candidates), n, k);
+  const Vec lanes[2] = {top.first, top.second};
+  return Vec::kth_largest(lanes, k <= W ? 1 : 2, k);
 }
 
 // The lanes' top-2 over the kept groups' ranges, read back from b (with groups, the kept
 // ones are known only after the whole row is scored).
-inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                             int64_t k, const GroupedTopkWorkspace& ws) {
-  if (k > 2 * W) return kNegInf;
+template <int kTrack>
+inline LaneTop2 lanes_of_ranges(const float* b, const ExpertRange* ranges, int64_t num_ranges) {
   LaneTop2 top;
   for (int64_t r = 0; r < num_ranges; ++r) {
     for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
-      track_lanes<2>(top, Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf));
+      track_lanes<kTrack>(top, Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf));
     }
   }
-  return floor_from_lanes(top, k, ws);
+  return top;
+}
+
+inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                             int64_t k) {
+  if (k > 2 * W) return kNegInf;
+  return floor_from_lanes(k <= W ? lanes_of_ranges<1>(b, ranges, num_ranges)
+                                 : lanes_of_ranges<2>(b, ranges, num_ranges),
+                          k);
 }
 
 // Step 4b: the experts at or above the floor, in index order, into ws.candidates /
@@ -430,9 +424,9 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       score_groups<has_bias>(ws.biased, num_groups, group_size, ws.group_scores);
       num_ranges = kept_ranges(ws.group_scores, num_groups, group_size, p.topk_group, ws);
       ranges = ws.ranges;
-      floor = candidate_floor(ws.biased, ranges, num_ranges, topk, ws);
+      floor = candidate_floor(ws.biased, ranges, num_ranges, topk);
     } else {
-      floor = floor_from_lanes(top, topk, ws);
+      floor = floor_from_lanes(top, topk);
     }
     select_experts(ws.biased, ranges, num_ranges, topk, floor, ws);
 

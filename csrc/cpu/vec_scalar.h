@@ -67,6 +67,13 @@ struct Vec {
     indices[0] = first_index;
     return m ? 1 : 0;
   }
+  // The k-th largest of v[0, n), n = 1 or 2 (values, not NaN).
+  static float kth_largest(const Vec* v, int n, int64_t k) {
+    if (n == 1) return v[0].v;
+    const float hi = v[0].v > v[1].v ? v[0].v : v[1].v;
+    const float lo = v[0].v > v[1].v ? v[1].v : v[0].v;
+    return k == 1 ? hi : lo;
+  }
   // One lane holds one group: its running top-2 is already the group's.
   template <bool kTop2, int kGroups>
   static void reduce_groups_top2(Vec* /*first*/, Vec* /*second*/) {
