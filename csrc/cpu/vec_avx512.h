@@ -44,7 +44,7 @@ struct Vec {
   static Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
   static Vec sqrt(Vec a) { return {_mm512_sqrt_ps(a.v)}; }
   // 1 / d to within about 2^-27 relative: the 14-bit estimate and one Newton step, without
-  // the divider. Only for d in [1, 2] (vlog1p_unit): no fix-up of 0, inf or denormal results.
+  // the divider. Only for d in [2, 3] (vlog1p_unit): no fix-up of 0, inf or denormal results.
   static Vec reciprocal(Vec d) {
     const __m512 y0 = _mm512_rcp14_ps(d.v);
     return {_mm512_fmadd_ps(y0, _mm512_fnmadd_ps(d.v, y0, _mm512_set1_ps(1.0f)), y0)};
