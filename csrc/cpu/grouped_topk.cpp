@@ -330,9 +330,6 @@ inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int6
       const Vec x = Vec::load(b + e, in_range, kNegInf);
       // >= : a value equal to the floor may still win on a lower index.
       const auto m = in_range & Vec::cmp_ge(x, Vec::set1(floor));
-      // Most vectors hold no candidate (about k of the row's experts pass the floor), and
-      // the two compresses and stores cost more than the branch's occasional mispredict.
-      if (m == 0) continue;
       count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
                                    ws.candidate_ids + count);
       if (count > kMaxCandidates) return -1;
