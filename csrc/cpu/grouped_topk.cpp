@@ -323,15 +323,43 @@ inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t 
 // ws.candidate_ids. Returns their number, or -1 once there are more than kMaxCandidates.
 inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
                                  float floor, const GroupedTopkWorkspace& ws) {
+  const Vec f = Vec::set1(floor);
   int64_t count = 0;
-  for (int64_t r = 0; r < num_ranges; ++r) {
-    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
-      const auto in_range = Vec::tail_mask(ranges[r].end - e);
+  if (num_ranges > 1) {
+    // The kept groups' ranges are short: a compress per vector, no branch on the data.
+    for (int64_t r = 0; r < num_ranges; ++r) {
+      for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
+        const auto in_range = Vec::tail_mask(ranges[r].end - e);
+        const Vec x = Vec::load(b + e, in_range, kNegInf);
+        // >= : a value equal to the floor may still win on a lower index.
+        count += Vec::compress_store(x, in_range & Vec::cmp_ge(x, f), int32_t(e),
+                                     ws.candidates + count, ws.candidate_ids + count);
+        if (count > kMaxCandidates) return -1;
+      }
+    }
+    return count;
+  }
+  // One long range: only about k of its experts pass the floor, so most vectors hold none.
+  // A branch-free pass marks the vectors that hold one (64 to a bit set), and the compresses
+  // and stores visit only those, at the cost of one mispredict where that loop ends. (A
+  // branch per vector mispredicts at random on fresh rows; with several short ranges the
+  // extra pass and loop exits cost more than they save.)
+  constexpr int64_t kChunk = 64 * W;
+  const int64_t end = ranges[0].end;
+  for (int64_t begin = ranges[0].begin; begin < end; begin += kChunk) {
+    const int64_t stop = end - begin < kChunk ? end : begin + kChunk;
+    uint64_t holds = 0;
+    for (int64_t e = begin, i = 0; e < stop; e += W, ++i) {
+      const auto in_range = Vec::tail_mask(stop - e);
+      const auto m = in_range & Vec::cmp_ge(Vec::load(b + e, in_range, kNegInf), f);
+      holds |= uint64_t(m != 0) << i;
+    }
+    for (; holds != 0; holds &= holds - 1) {
+      const int64_t e = begin + __builtin_ctzll(holds) * W;
+      const auto in_range = Vec::tail_mask(stop - e);
       const Vec x = Vec::load(b + e, in_range, kNegInf);
-      // >= : a value equal to the floor may still win on a lower index.
-      const auto m = in_range & Vec::cmp_ge(x, Vec::set1(floor));
-      count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
-                                   ws.candidate_ids + count);
+      count += Vec::compress_store(x, in_range & Vec::cmp_ge(x, f), int32_t(e),
+                                   ws.candidates + count, ws.candidate_ids + count);
       if (count > kMaxCandidates) return -1;
     }
   }
