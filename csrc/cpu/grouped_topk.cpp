@@ -54,26 +54,46 @@ inline Vec score(Vec x) {
     return Vec::set1(1.0f) / (Vec::set1(1.0f) + vexp(Vec::set1(0.0f) - x));
   } else {
     static_assert(kScore == ScoringFunc::kSqrtSoftplus, "softmax is computed row-wide");
-    // softplus with torch's threshold: x itself above 20.
-    const Vec softplus = vlog1p(vexp(x));
-    return Vec::sqrt(Vec::select(Vec::cmp_gt(x, Vec::set1(20.0f)), x, softplus));
+    // softplus(x) = max(x, 0) + log1p(exp(-|x|)): the log1p argument stays in (0, 1], where
+    // it needs no divide (vlog1p_unit). Above x = 20 (torch's threshold for returning x) the
+    // log1p term is below half an ulp of x, so the sum rounds to x as torch's does.
+    const Vec zero = Vec::set1(0.0f);
+    const Vec neg_abs = Vec::min(x, zero - x);  // NaN x: min returns its second operand, NaN
+    return Vec::sqrt(Vec::max(x, zero) + vlog1p_unit(vexp(neg_abs)));
   }
 }
 
-template <typename BiasT>
+// Lane by lane, the two largest biased scores of the row, kept as it is scored when every
+// group is kept (kTrack = 1: the largest only, 2: both), so that step 4a need not read b again.
+struct LaneTop2 {
+  Vec first = Vec::set1(kNegInf);
+  Vec second = Vec::set1(kNegInf);
+};
+
+template <int kTrack>
+inline void track_lanes(LaneTop2& top, Vec b) {
+  if constexpr (kTrack >= 2) top.second = Vec::max(top.second, Vec::min(top.first, b));
+  if constexpr (kTrack >= 1) top.first = Vec::max(top.first, b);
+}
+
+template <int kTrack, typename BiasT>
 inline void store_biased(Vec s, const BiasT* bias, int64_t e, typename Vec::Mask m,
-                         float* biased) {
+                         float* biased, LaneTop2& top) {
   Vec b = s;
   if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
     b = s + Vec::load(bias + e, m, 0.0f);
   }
-  Vec::select(Vec::is_nan(b), Vec::set1(kNegInf), b).store(biased + e, m);
+  b = Vec::select(Vec::is_nan(b), Vec::set1(kNegInf), b);
+  b.store(biased + e, m);
+  if constexpr (kTrack > 0) {
+    track_lanes<kTrack>(top, Vec::select(m, b, Vec::set1(kNegInf)));
+  }
 }
 
 // Step 1 for one row of contiguous logits.
-template <ScoringFunc kScore, typename LogitT, typename BiasT>
+template <ScoringFunc kScore, int kTrack, typename LogitT, typename BiasT>
 void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, float* scores,
-               float* biased) {
+               float* biased, LaneTop2& top) {
   if constexpr (kScore == ScoringFunc::kSoftmax) {
     Vec row_max = Vec::set1(kNegInf);
     typename Vec::Mask has_nan = 0;
@@ -100,7 +120,7 @@ void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, flo
       const auto m = Vec::tail_mask(num_experts - e);
       const Vec s = Vec::load(scores + e, m, 0.0f) / total;
       s.store(scores + e, m);
-      store_biased(s, bias, e, m, biased);
+      store_biased<kTrack>(s, bias, e, m, biased, top);
     }
   } else {
     // Four vectors per step: each score is a long dependency chain, and interleaving four
@@ -115,14 +135,14 @@ void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, flo
       }
       for (int64_t u = 0; u < kUnroll; ++u) {
         s[u].store(scores + e + u * W, all);
-        store_biased(s[u], bias, e + u * W, all, biased);
+        store_biased<kTrack>(s[u], bias, e + u * W, all, biased, top);
       }
     }
     for (; e < num_experts; e += W) {
       const auto m = Vec::tail_mask(num_experts - e);
       const Vec s = score<kScore>(Vec::load(logits + e, m, 0.0f));
       s.store(scores + e, m);
-      store_biased(s, bias, e, m, biased);
+      store_biased<kTrack>(s, bias, e, m, biased, top);
     }
   }
 }
@@ -164,16 +184,6 @@ inline uint64_t rank_position(const Vec* rank, int64_t r) {
   }
   return bits;
 }
-
-// The k-th largest of values[0, n).
-template <int64_t kVecs>
-struct KthLargest {
-  static float run(const float* values, int64_t n, int64_t k) {
-    Vec rank[kVecs];
-    rank_values<kVecs>(values, n, rank);
-    return values[__builtin_ctzll(rank_position<kVecs>(rank, k - 1))];
-  }
-};
 
 // ws.chosen[0, k) = the candidate ids of ranks 0..k-1.
 template <int64_t kVecs>
@@ -282,38 +292,74 @@ inline int64_t kept_ranges(const float* group_scores, int64_t num_groups, int64_
 // k distinct experts at or above it (a -inf fill standing in for a missing expert only lowers
 // the floor). With k <= W the lane maxima alone give a floor almost as tight at a quarter of
 // the ranking work. Returns -inf for k > 2W: every expert is a candidate.
-inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                             int64_t k, const GroupedTopkWorkspace& ws) {
+inline float floor_from_lanes(const LaneTop2& top, int64_t k) {
   if (k > 2 * W) return kNegInf;
-  Vec first = Vec::set1(kNegInf);
-  Vec second = Vec::set1(kNegInf);
+  const Vec lanes[2] = {top.first, top.second};
+  return Vec::kth_largest(lanes, k <= W ? 1 : 2, k);
+}
+
+// The lanes' top-2 over the kept groups' ranges, read back from b (with groups, the kept
+// ones are known only after the whole row is scored).
+template <int kTrack>
+inline LaneTop2 lanes_of_ranges(const float* b, const ExpertRange* ranges, int64_t num_ranges) {
+  LaneTop2 top;
   for (int64_t r = 0; r < num_ranges; ++r) {
     for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
-      const Vec x = Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf);
-      second = Vec::max(second, Vec::min(first, x));
-      first = Vec::max(first, x);
+      track_lanes<kTrack>(top, Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf));
     }
   }
-  const auto all = Vec::tail_mask(W);
-  first.store(ws.candidates, all);
-  second.store(ws.candidates + W, all);
-  const int64_t n = k <= W ? W : 2 * W;
-  return with_rank_vecs<KthLargest>(n, static_cast<const float*>(ws.candidates), n, k);
+  return top;
+}
+
+inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                             int64_t k) {
+  if (k > 2 * W) return kNegInf;
+  return floor_from_lanes(k <= W ? lanes_of_ranges<1>(b, ranges, num_ranges)
+                                 : lanes_of_ranges<2>(b, ranges, num_ranges),
+                          k);
 }
 
 // Step 4b: the experts at or above the floor, in index order, into ws.candidates /
 // ws.candidate_ids. Returns their number, or -1 once there are more than kMaxCandidates.
 inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
                                  float floor, const GroupedTopkWorkspace& ws) {
+  const Vec f = Vec::set1(floor);
   int64_t count = 0;
-  for (int64_t r = 0; r < num_ranges; ++r) {
-    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
-      const auto in_range = Vec::tail_mask(ranges[r].end - e);
+  if (num_ranges > 1) {
+    // The kept groups' ranges are short: a compress per vector, no branch on the data.
+    for (int64_t r = 0; r < num_ranges; ++r) {
+      for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
+        const auto in_range = Vec::tail_mask(ranges[r].end - e);
+        const Vec x = Vec::load(b + e, in_range, kNegInf);
+        // >= : a value equal to the floor may still win on a lower index.
+        count += Vec::compress_store(x, in_range & Vec::cmp_ge(x, f), int32_t(e),
+                                     ws.candidates + count, ws.candidate_ids + count);
+        if (count > kMaxCandidates) return -1;
+      }
+    }
+    return count;
+  }
+  // One long range: only about k of its experts pass the floor, so most vectors hold none.
+  // A branch-free pass marks the vectors that hold one (64 to a bit set), and the compresses
+  // and stores visit only those, at the cost of one mispredict where that loop ends. (A
+  // branch per vector mispredicts at random on fresh rows; with several short ranges the
+  // extra pass and loop exits cost more than they save.)
+  constexpr int64_t kChunk = 64 * W;
+  const int64_t end = ranges[0].end;
+  for (int64_t begin = ranges[0].begin; begin < end; begin += kChunk) {
+    const int64_t stop = end - begin < kChunk ? end : begin + kChunk;
+    uint64_t holds = 0;
+    for (int64_t e = begin, i = 0; e < stop; e += W, ++i) {
+      const auto in_range = Vec::tail_mask(stop - e);
+      const auto m = in_range & Vec::cmp_ge(Vec::load(b + e, in_range, kNegInf), f);
+      holds |= uint64_t(m != 0) << i;
+    }
+    for (; holds != 0; holds &= holds - 1) {
+      const int64_t e = begin + __builtin_ctzll(holds) * W;
+      const auto in_range = Vec::tail_mask(stop - e);
       const Vec x = Vec::load(b + e, in_range, kNegInf);
-      // >= : a value equal to the floor may still win on a lower index.
-      const auto m = in_range & Vec::cmp_ge(x, Vec::set1(floor));
-      count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
-                                   ws.candidate_ids + count);
+      count += Vec::compress_store(x, in_range & Vec::cmp_ge(x, f), int32_t(e),
+                                   ws.candidates + count, ws.candidate_ids + count);
       if (count > kMaxCandidates) return -1;
     }
   }
@@ -322,8 +368,7 @@ inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int6
 
 // Step 4 entry: ws.chosen[0, k) gets the k best experts, best first.
 inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                           int64_t k, const GroupedTopkWorkspace& ws) {
-  const float floor = candidate_floor(b, ranges, num_ranges, k, ws);
+                           int64_t k, float floor, const GroupedTopkWorkspace& ws) {
   const int64_t count = gather_candidates(b, ranges, num_ranges, floor, ws);
   if (count >= 0) {
     with_rank_vecs<ChooseRanked>(count, ws, count, k);
@@ -351,6 +396,24 @@ inline void select_experts(const float* b, const ExpertRange* ranges, int64_t nu
   for (int64_t j = 0; j < k; ++j) ws.chosen[j] = int32_t(key_index(keys[j]));
 }
 
+// score_row with the lane tracking picked per call (the same for every row, so the branch
+// predicts); track is 0, 1 or 2 as for kTrack.
+template <ScoringFunc kScore, typename LogitT, typename BiasT>
+inline void score_row_tracked(const LogitT* logits, const BiasT* bias, int64_t num_experts,
+                              int track, const GroupedTopkWorkspace& ws, LaneTop2& top) {
+  switch (track) {
+    case 1:
+      score_row<kScore, 1>(logits, bias, num_experts, ws.scores, ws.biased, top);
+      break;
+    case 2:
+      score_row<kScore, 2>(logits, bias, num_experts, ws.scores, ws.biased, top);
+      break;
+    default:
+      score_row<kScore, 0>(logits, bias, num_experts, ws.scores, ws.biased, top);
+      break;
+  }
+}
+
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
 void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
                 int64_t row_end, const GroupedTopkWorkspace& ws) {
@@ -362,27 +425,35 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
   constexpr bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
   const LogitT* logits_base = static_cast<const LogitT*>(p.gating_output);
 
+  // With every group kept the floor comes from lanes tracked while scoring.
+  const int track = !all_groups_kept || topk > 2 * W ? 0 : topk <= W ? 1 : 2;
+
   for (int64_t t = row_begin; t < row_end; ++t) {
     const LogitT* row = logits_base + t * p.gating_row_stride;
+    LaneTop2 top;
     if (p.gating_col_stride != 1) {
       // Column-strided logits: widen this row into the workspace, then read it contiguously.
       for (int64_t e = 0; e < num_experts; ++e) {
         ws.row[e] = to_float(row[e * p.gating_col_stride]);
       }
-      score_row<kScore, float, BiasT>(ws.row, bias, num_experts, ws.scores, ws.biased);
+      score_row_tracked<kScore, float, BiasT>(ws.row, bias, num_experts, track, ws, top);
     } else {
-      score_row<kScore, LogitT, BiasT>(row, bias, num_experts, ws.scores, ws.biased);
+      score_row_tracked<kScore, LogitT, BiasT>(row, bias, num_experts, track, ws, top);
     }
 
     const ExpertRange all{0, num_experts};
     const ExpertRange* ranges = &all;
     int64_t num_ranges = 1;
+    float floor;
     if (!all_groups_kept) {
       score_groups<has_bias>(ws.biased, num_groups, group_size, ws.group_scores);
       num_ranges = kept_ranges(ws.group_scores, num_groups, group_size, p.topk_group, ws);
       ranges = ws.ranges;
+      floor = candidate_floor(ws.biased, ranges, num_ranges, topk);
+    } else {
+      floor = floor_from_lanes(top, topk);
     }
-    select_experts(ws.biased, ranges, num_ranges, topk, ws);
+    select_experts(ws.biased, ranges, num_ranges, topk, floor, ws);
 
     float* weights = p.topk_weights + t * p.weights_row_stride;
     int32_t* ids = p.topk_ids + t * p.ids_row_stride;

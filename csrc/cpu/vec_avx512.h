@@ -43,6 +43,12 @@ struct Vec {
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   static Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
   static Vec sqrt(Vec a) { return {_mm512_sqrt_ps(a.v)}; }
+  // 1 / d to within about 2^-27 relative: the 14-bit estimate and one Newton step, without
+  // the divider. Only for d in [2, 3] (vlog1p_unit): no fix-up of 0, inf or denormal results.
+  static Vec reciprocal(Vec d) {
+    const __m512 y0 = _mm512_rcp14_ps(d.v);
+    return {_mm512_fmadd_ps(y0, _mm512_fnmadd_ps(d.v, y0, _mm512_set1_ps(1.0f)), y0)};
+  }
   static Vec round(Vec a) {
     return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
   }
@@ -117,7 +123,73 @@ struct Vec {
     if constexpr (kTop2) second[0].v = _mm512_permutexvar_ps(to_group, second[0].v);
   }
 
+  // The k-th largest (1 <= k <= 16 * n) of the 16 * n values of v[0, n), n = 1 or 2, none
+  // NaN. A bitonic sort in registers: ten compare-exchange steps of fixed shuffles and
+  // min/max, where ranking all pairs costs a broadcast, two compares, mask logic and a
+  // masked add per value, chained through the mask registers.
+  static float kth_largest(const Vec* v, int n, int64_t k) {
+    __m512 hi = sort_desc(v[0].v);
+    if (n == 2) {
+      // sorted a and reversed sorted b: their lane-wise max holds the 16 largest of both
+      // as a bitonic sequence, their min the 16 smallest.
+      const __m512i reverse =
+          _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      const __m512 b = _mm512_permutexvar_ps(reverse, sort_desc(v[1].v));
+      if (k > 16) {
+        k -= 16;
+        hi = _mm512_min_ps(hi, b);
+      } else {
+        hi = _mm512_max_ps(hi, b);
+      }
+      hi = merge_desc(hi);
+    }
+    return _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(int(k - 1)), hi));
+  }
+
  private:
+  // Lane i against lane i ^ d, keeping the larger where `take_max` is set.
+  template <int kD>
+  static __m512 exchange(__m512 x, __mmask16 take_max) {
+    __m512 partner;
+    if constexpr (kD == 1) {
+      partner = _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1));
+    } else if constexpr (kD == 2) {
+      partner = _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2));
+    } else if constexpr (kD == 4) {
+      partner = _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1));
+    } else {
+      partner = _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2));
+    }
+    return _mm512_mask_blend_ps(take_max, _mm512_min_ps(x, partner),
+                                _mm512_max_ps(x, partner));
+  }
+  // Lanes i with (i & d) == 0 XOR (i & size) != 0 take the max: blocks of `size` sorted
+  // descending and ascending in turn, so that pairs of them form the next stage's bitonic
+  // blocks; the last stage (size 16) is all descending.
+  static constexpr __mmask16 take_max(int d, int size) {
+    unsigned m = 0;
+    for (int i = 0; i < 16; ++i) {
+      if (((i & d) == 0) != ((i & size) != 0)) m |= 1u << i;
+    }
+    return __mmask16(m);
+  }
+  static __m512 sort_desc(__m512 x) {
+    x = exchange<1>(x, take_max(1, 2));
+    x = exchange<2>(x, take_max(2, 4));
+    x = exchange<1>(x, take_max(1, 4));
+    x = exchange<4>(x, take_max(4, 8));
+    x = exchange<2>(x, take_max(2, 8));
+    x = exchange<1>(x, take_max(1, 8));
+    return merge_desc(exchange<8>(x, take_max(8, 16)), true);
+  }
+  // A bitonic 16-lane sequence sorted descending (after_first_step: its d = 8 step is done).
+  static __m512 merge_desc(__m512 x, bool after_first_step = false) {
+    if (!after_first_step) x = exchange<8>(x, take_max(8, 16));
+    x = exchange<4>(x, take_max(4, 16));
+    x = exchange<2>(x, take_max(2, 16));
+    return exchange<1>(x, take_max(1, 16));
+  }
+
   // One level of the merge tree: two vectors whose groups each span 16 >> level lanes become
   // two vectors (lo, hi) whose lane-wise max holds the groups of both, each in half the lanes.
   static __m512 fold_lo(int level, __m512 a, __m512 b) {

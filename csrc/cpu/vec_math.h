@@ -45,13 +45,20 @@ inline Vec vlog(Vec x) {
   return Vec::fmadd(e, Vec::set1(0.693359375f), m + y);
 }
 
-// log(1 + y) for y >= 0, accurate for tiny y: log(u) * y / (u - 1) with u = 1 + y cancels
-// the rounding of u (Goldberg's trick); u == 1 means log1p(y) == y to working precision.
-inline Vec vlog1p(Vec y) {
-  const Vec u = y + Vec::set1(1.0f);
-  const Vec d = u - Vec::set1(1.0f);
-  const Vec ratio = y / Vec::select(Vec::cmp_eq(d, Vec::set1(0.0f)), Vec::set1(1.0f), d);
-  return Vec::select(Vec::cmp_eq(d, Vec::set1(0.0f)), y, vlog(u) * ratio);
+// log(1 + t) for t in [0, 1] as 2 atanh(s), s = t / (2 + t) in [0, 1/3]: an odd series in s
+// whose tail z = s^2 <= 1/9 a degree-4 fit covers to 5e-9 relative (fitted to atanh(s) / s
+// in float64 on Chebyshev nodes, coefficients rounded to float). About a third of the
+// operations of log(1 + t) through vlog, and no divide: the reciprocal's error is far below
+// the rounding of 2 + t.
+inline Vec vlog1p_unit(Vec t) {
+  const Vec s = t * Vec::reciprocal(t + Vec::set1(2.0f));
+  const Vec z = s * s;
+  Vec q = Vec::set1(0.14007562f);
+  q = Vec::fmadd(q, z, Vec::set1(0.14000423f));
+  q = Vec::fmadd(q, z, Vec::set1(0.2001081f));
+  q = Vec::fmadd(q, z, Vec::set1(0.33333206f));
+  const Vec half = Vec::fmadd(s * z, q, s);  // atanh(s)
+  return half + half;
 }
 
 }  // namespace moeext::cpu::MOEEXT_CPU_ISA

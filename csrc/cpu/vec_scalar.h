@@ -35,6 +35,7 @@ struct Vec {
   static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
   static Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
   static Vec sqrt(Vec a) { return {std::sqrt(a.v)}; }
+  static Vec reciprocal(Vec d) { return {1.0f / d.v}; }
   static Vec round(Vec a) { return {std::nearbyint(a.v)}; }
   // a * 2^n for integral n (NaN n gives NaN).
   static Vec scalef(Vec a, Vec n) {
@@ -65,6 +66,13 @@ struct Vec {
     values[0] = x.v;
     indices[0] = first_index;
     return m ? 1 : 0;
+  }
+  // The k-th largest of v[0, n), n = 1 or 2 (values, not NaN).
+  static float kth_largest(const Vec* v, int n, int64_t k) {
+    if (n == 1) return v[0].v;
+    const float hi = v[0].v > v[1].v ? v[0].v : v[1].v;
+    const float lo = v[0].v > v[1].v ? v[1].v : v[0].v;
+    return k == 1 ? hi : lo;
   }
   // One lane holds one group: its running top-2 is already the group's.
   template <bool kTop2, int kGroups>
