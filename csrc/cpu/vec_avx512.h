@@ -53,10 +53,6 @@ struct Vec {
     return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
   }
   static Vec scalef(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
-  static Vec frexp(Vec a, Vec* exp) {
-    exp->v = _mm512_add_ps(_mm512_getexp_ps(a.v), _mm512_set1_ps(1.0f));
-    return {_mm512_getmant_ps(a.v, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src)};
-  }
 
   static Mask cmp_gt(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
   static Mask cmp_ge(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ); }

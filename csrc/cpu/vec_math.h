@@ -1,5 +1,6 @@
-// exp and log1p over the Vec of this ISA (Cephes single-precision polynomials, about 1 ulp).
-// Written once over Vec so the scalar and AVX-512 paths round identically.
+// exp (Cephes single-precision polynomial, about 1 ulp) and log1p on [0, 1] over the Vec of
+// this ISA. Written once over Vec so the scalar and AVX-512 paths share every step; they
+// differ only in Vec::reciprocal (exact on scalar, rcp14 + one Newton step on AVX-512).
 #pragma once
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
@@ -22,33 +23,10 @@ inline Vec vexp(Vec x) {
   return Vec::scalef(p, n);
 }
 
-// Natural log of finite positive normal x (NaN passes through).
-inline Vec vlog(Vec x) {
-  Vec e;
-  Vec m = Vec::frexp(x, &e);  // x = m * 2^e, m in [0.5, 1)
-  const typename Vec::Mask small = Vec::cmp_lt(m, Vec::set1(0.707106781186547524f));
-  e = Vec::select(small, e - Vec::set1(1.0f), e);
-  m = Vec::select(small, m + m, m) - Vec::set1(1.0f);
-  const Vec z = m * m;
-  Vec p = Vec::set1(7.0376836292e-2f);
-  p = Vec::fmadd(p, m, Vec::set1(-1.1514610310e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(1.1676998740e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(-1.2420140846e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(1.4249322787e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(-1.6668057665e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(2.0000714765e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(-2.4999993993e-1f));
-  p = Vec::fmadd(p, m, Vec::set1(3.3333331174e-1f));
-  Vec y = p * m * z;
-  y = Vec::fmadd(e, Vec::set1(-2.12194440e-4f), y);
-  y = Vec::fmadd(z, Vec::set1(-0.5f), y);
-  return Vec::fmadd(e, Vec::set1(0.693359375f), m + y);
-}
-
 // log(1 + t) for t in [0, 1] as 2 atanh(s), s = t / (2 + t) in [0, 1/3]: an odd series in s
 // whose tail z = s^2 <= 1/9 a degree-4 fit covers to 5e-9 relative (fitted to atanh(s) / s
 // in float64 on Chebyshev nodes, coefficients rounded to float). About a third of the
-// operations of log(1 + t) through vlog, and no divide: the reciprocal's error is far below
+// operations of log(1 + t) through a general log, and no divide: the reciprocal's error is far below
 // the rounding of 2 + t.
 inline Vec vlog1p_unit(Vec t) {
   const Vec s = t * Vec::reciprocal(t + Vec::set1(2.0f));

@@ -41,13 +41,6 @@ struct Vec {
   static Vec scalef(Vec a, Vec n) {
     return {std::isnan(n.v) ? n.v : std::ldexp(a.v, int(n.v))};
   }
-  // Positive normal a = mant * 2^exp with mant in [0.5, 1).
-  static Vec frexp(Vec a, Vec* exp) {
-    int e;
-    const float mant = std::frexp(a.v, &e);
-    exp->v = float(e);
-    return {mant};
-  }
 
   static Mask cmp_gt(Vec a, Vec b) { return a.v > b.v; }
   static Mask cmp_ge(Vec a, Vec b) { return a.v >= b.v; }
