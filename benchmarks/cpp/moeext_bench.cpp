@@ -307,7 +307,7 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
                        "E=" + std::to_string(experts) + " H=7168 T=" + std::to_string(t), bytes,
                        rot, [data, p](int i) mutable {
                          p.weight = data->weights[size_t(i)].data();
-                         // Split the experts over the threads in whole tiles, as the binding.
+                         // Split the experts over the threads as the binding does.
                          const int64_t block = moeext::router_gemm_expert_block();
                          const int64_t blocks = (p.num_experts + block - 1) / block;
                          const int64_t threads = omp_get_max_threads();

@@ -244,11 +244,10 @@ struct TileShape {
                 "the tile's accumulators and operands must fit the vector registers");
   static_assert(kChunk % 32 == 0, "passes must end on whole vector steps");
 };
-// Splitting the experts at multiples of this keeps every thread on whole tiles of any shape.
-constexpr int kExpertBlock = 12;
-static_assert(kExpertBlock % TileShape<float>::kExperts == 0 &&
-                  kExpertBlock % TileShape<bf16_t>::kExperts == 0,
-              "a thread's expert range must hold whole tiles");
+// Threads split the experts at multiples of this. Whole tiles (12) left one thread of two
+// 132 of 256 experts; an even split with a narrower tile at the end of each range is 2-4%
+// faster at E = 256, T = 1..64 (measured 2 = 1 > 6 > 12), and the same at E = 384.
+constexpr int kExpertBlock = 2;
 
 inline void store_logit(float v, float* out) { *out = v; }
 inline void store_logit(float v, bf16_t* out) { out->bits = float_to_bf16_bits(v); }

@@ -30,8 +30,8 @@ struct RouterGemmParams {
 // own pool, so each thread streams a disjoint slice of the weight.
 void router_gemm_cpu(const RouterGemmParams& params, int64_t expert_begin, int64_t expert_end);
 
-// A split of the experts at multiples of this keeps every thread on whole tiles of the
-// active CPU path.
+// The granularity, in experts, at which callers should split the experts between threads
+// on the active CPU path.
 int64_t router_gemm_expert_block();
 
 // The GPU small-T kernel: whether it takes these params (few tokens, hidden_size a multiple
