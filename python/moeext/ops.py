@@ -248,7 +248,8 @@ def cpu_isa() -> str:
 def set_cpu_isa(isa: str) -> None:
     """Forces the CPU kernels onto ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
     ``"auto"`` picks the best. (``"avx2"`` and ``"avx512bf16"`` only change router_gemm: the
-    other kernels run their ``"scalar"`` and ``"avx512"`` code there.)
+    other kernels run their ``"scalar"`` and ``"avx512"`` code there. e8m0_shuffle has two
+    paths: SSE2 on ``"scalar"``, AVX2 on every other.)
 
     The environment variable ``MOEEXT_CPU_ISA`` does the same at import time. Raises
     ValueError if this build or this CPU lacks the path.
