@@ -115,6 +115,31 @@ struct NextBlock {
   int64_t half_bytes = 0;
 };
 
+#if defined(__SSE2__)
+// The tiles read 32 rows side by side, a pattern the hardware prefetchers do not follow
+// (measured: half the speed on 29 MB of scales). So while the current block's tiles are
+// permuted, the next block's two halves are prefetched in even slices, one per tile done.
+class BlockPrefetch {
+ public:
+  BlockPrefetch(const NextBlock& next, int64_t tiles)
+      : next_(next), per_tile_((next.half_bytes + std::max<int64_t>(tiles, 1) - 1) /
+                               std::max<int64_t>(tiles, 1)) {}
+  // Called with the number of tiles done so far (counting the ones about to be permuted).
+  void up_to(int64_t tiles_done) {
+    const int64_t end = std::min(next_.half_bytes, tiles_done * per_tile_);
+    for (; fetched_ < end; fetched_ += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(next_.top + fetched_), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next_.bottom + fetched_), _MM_HINT_T0);
+    }
+  }
+
+ private:
+  const NextBlock& next_;
+  int64_t per_tile_;
+  int64_t fetched_ = 0;
+};
+#endif
+
 #if MOEEXT_E8M0_AVX2
 // The loop of permute_strided_tiles below on AVX2, four tiles per 32-byte load: every unpack
 // works within 128-bit lanes, so lane 0 carries tiles d and d+1 and lane 1 tiles d+2 and d+3
@@ -122,18 +147,12 @@ struct NextBlock {
 // Returns the tiles done.
 __attribute__((target("avx2"))) int64_t permute_strided_tiles_avx2(
     const uint8_t* top, const uint8_t* bottom, int64_t row_stride, int64_t tiles, uint8_t* out,
-    const NextBlock& next) {
+    BlockPrefetch& prefetch) {
   const __m256i words = _mm256_broadcastsi128_si256(
       _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
-  const int64_t slice = ((next.half_bytes * 4 / std::max<int64_t>(tiles, 4)) + 63) & ~int64_t(63);
-  int64_t fetched = 0;
   int64_t d = 0;
   for (; d + 4 <= tiles; d += 4, out += 1024) {
-    for (const int64_t end = std::min(fetched + slice, next.half_bytes); fetched < end;
-         fetched += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(next.top + fetched), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next.bottom + fetched), _MM_HINT_T0);
-    }
+    prefetch.up_to(d + 4);
     for (int g = 0; g < 4; ++g) {
       __m256i q[2][4];  // [tiles d, d+2 | tiles d+1, d+3][row c4 = 4g + r]
       for (int r = 0; r < 4; ++r) {
@@ -172,23 +191,16 @@ __attribute__((target("avx2"))) int64_t permute_strided_tiles_avx2(
 inline void permute_strided_tiles(const uint8_t* top, const uint8_t* bottom, int64_t row_stride,
                                   int64_t tiles, uint8_t* out, const NextBlock& next) {
   int64_t d = 0;
+#if defined(__SSE2__)
+  BlockPrefetch prefetch(next, tiles);
 #if MOEEXT_E8M0_AVX2
   if (cpu_isa_active() != CpuIsa::kScalar) {
-    d = permute_strided_tiles_avx2(top, bottom, row_stride, tiles, out, next);
+    d = permute_strided_tiles_avx2(top, bottom, row_stride, tiles, out, prefetch);
     out += d * 256;
   }
 #endif
-#if defined(__SSE2__)
-  // The tiles read 32 rows side by side, a pattern the hardware prefetchers do not follow: the
-  // next block's two halves are prefetched a slice per tile pair (2x at 29 MB of scales).
-  const int64_t slice = ((next.half_bytes * 2 / std::max<int64_t>(tiles, 2)) + 63) & ~int64_t(63);
-  int64_t fetched = 0;
   for (; d + 2 <= tiles; d += 2, out += 512) {
-    for (const int64_t end = std::min(fetched + slice, next.half_bytes); fetched < end;
-         fetched += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(next.top + fetched), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next.bottom + fetched), _MM_HINT_T0);
-    }
+    prefetch.up_to(d + 2);
     for (int g = 0; g < 4; ++g) {
       __m128i first[4], second[4];
       for (int r = 0; r < 4; ++r) {
