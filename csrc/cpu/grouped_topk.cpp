@@ -83,7 +83,8 @@ inline void store_biased(Vec s, const BiasT* bias, int64_t e, typename Vec::Mask
   if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
     b = s + Vec::load(bias + e, m, 0.0f);
   }
-  b = Vec::select(Vec::is_nan(b), Vec::set1(kNegInf), b);
+  // NaN becomes -inf in one instruction: max returns its second operand when either is NaN.
+  b = Vec::max(b, Vec::set1(kNegInf));
   b.store(biased + e, m);
   if constexpr (kTrack > 0) {
     track_lanes<kTrack>(top, Vec::select(m, b, Vec::set1(kNegInf)));
@@ -234,8 +235,8 @@ inline void score_group_chunk(const float* b, int64_t group_size, int n, float* 
   Vec::reduce_groups_top2<kTop2, kGroups>(first, second);
   Vec score = first[0];
   if (kTop2 && group_size > 1) {  // a group of one expert scores that expert's b
-    const Vec sum = first[0] + second[0];  // +inf + -inf is NaN: it ranks as -inf like NaN in b
-    score = Vec::select(Vec::is_nan(sum), Vec::set1(kNegInf), sum);
+    // +inf + -inf is NaN: it ranks as -inf like NaN in b (max returns -inf for a NaN sum).
+    score = Vec::max(first[0] + second[0], Vec::set1(kNegInf));
   }
   score.store(group_scores, Vec::tail_mask(n));
 }
@@ -465,12 +466,15 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       ids[j] = int32_t(expert);
       sum += weights[j];
     }
-    const float scale = p.routed_scaling_factor;
-    if (p.renormalize) {
-      const float denom = sum + 1e-20f;
-      for (int64_t j = 0; j < topk; ++j) weights[j] = weights[j] / denom * scale;
-    } else {
-      for (int64_t j = 0; j < topk; ++j) weights[j] *= scale;
+    // The sum above stays sequential (its rounding is part of the result); the divides and
+    // scalings are lane-wise, so a vector does them with the scalar loop's exact results.
+    const Vec scale = Vec::set1(p.routed_scaling_factor);
+    const Vec denom = Vec::set1(sum + 1e-20f);
+    for (int64_t j = 0; j < topk; j += W) {
+      const auto m = Vec::tail_mask(topk - j);
+      Vec w = Vec::load(weights + j, m, 0.0f);
+      if (p.renormalize) w = w / denom;
+      (w * scale).store(weights + j, m);
     }
   }
 }
