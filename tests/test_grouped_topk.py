@@ -135,8 +135,23 @@ def test_ties_follow_the_rule(device_isa):
         bias = torch.randint(0, 2, (num_experts,), generator=g).float().to(device)
         for scoring_func in moeext.reference.SCORING_FUNCS:
             for b in (bias, None):
-                run_and_check(logits, b, strict=True, num_expert_group=8, topk_group=3,
-                              topk=9, scoring_func=scoring_func)
+                # topk 6 = 2 x topk_group takes its floor from the kept groups' top-2; 9 from
+                # the lanes.
+                for topk in (6, 9):
+                    run_and_check(logits, b, strict=True, num_expert_group=8, topk_group=3,
+                                  topk=topk, scoring_func=scoring_func)
+
+
+def test_floor_from_kept_groups_keeps_ties_at_the_floor(device_isa):
+    # Groups of 4; groups 2 and 0 are kept. The floor, the least second largest of the kept
+    # groups, is sigmoid(1): experts 1 and 2 both sit on it, and the lower id must win.
+    device, _ = device_isa
+    logits = torch.tensor([[3.0, 1, 1, -2, -1, -1, -1, -1, 2, 2, -3, -3, -2, -2, -2, -2]],
+                          device=device)
+    bias = torch.zeros(16, device=device)
+    _, ids = moeext.biased_grouped_topk(logits, bias, 4, 2, 4)
+    assert ids.tolist() == [[0, 8, 9, 1]]
+    run_and_check(logits, bias, strict=True, num_expert_group=4, topk_group=2, topk=4)
 
 
 def test_duplicated_group_maximum_counts_twice(device):

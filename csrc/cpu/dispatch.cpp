@@ -1,7 +1,6 @@
 // Run-time choice of the CPU instruction set, and the launcher API entry points that route
 // each call to the copy of a kernel compiled for that instruction set. Compiled with the
 // baseline flags only: nothing here may execute an AVX-512 instruction.
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -119,17 +118,16 @@ const char* cpu_isa_name(CpuIsa isa) {
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin,
                              int64_t row_end) {
   if (row_begin >= row_end) return;
-  // Four float rows of num_experts (padded to whole 16-lane vectors), the group scores, the
-  // candidate buffers, the key arrays, the kept groups' expert ranges. The float arrays are
-  // whole multiples of 16 lanes, so each starts a cache line after the buffer's start.
+  // Four float rows of num_experts (padded to whole 16-lane vectors), the groups' scores and
+  // second largest values, the candidate buffers, the key arrays, the kept groups' expert
+  // ranges. The float arrays are whole multiples of 16 lanes, so each starts a cache line
+  // after the buffer's start.
   auto padded = [](int64_t n) { return (n + 15) / 16 * 16; };
   const int64_t row_floats = padded(p.num_experts);
   const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
-  const int64_t rank_floats =
-      padded(std::max(cpu::kMaxCandidates, p.num_expert_group) + cpu::kCandidateSlack);
   const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
   const int64_t chosen_slots = padded(p.topk);
-  const int64_t words = 4 * row_floats + group_floats + rank_floats + 2 * candidate_slots +
+  const int64_t words = 4 * row_floats + 2 * group_floats + 2 * candidate_slots +
                         chosen_slots;  // 4-byte words
   const int64_t keys = p.topk_group + p.topk;
   const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
@@ -149,8 +147,8 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   ws.row = f += row_floats;
   ws.bias = f += row_floats;
   ws.group_scores = f += row_floats;
-  ws.ranks = f += group_floats;
-  ws.candidates = f += rank_floats;
+  ws.group_seconds = f += group_floats;
+  ws.candidates = f += group_floats;
   ws.candidate_ids = reinterpret_cast<int32_t*>(f += candidate_slots);
   ws.chosen = ws.candidate_ids + candidate_slots;
   ws.group_keys = reinterpret_cast<uint64_t*>(ws.chosen + chosen_slots);

@@ -212,11 +212,13 @@ inline auto with_rank_vecs(int64_t n, Args... args) {
 
 // Step 2 for all groups: the running top-2 of each group lane by lane, then the horizontal
 // reductions of kGroups groups done together. With a bias (kTop2) a group scores the sum of
-// its two largest b (a repeated maximum counts twice); without, its maximum. kGroups is a
-// compile-time count, so the loops unroll and the 2 * kGroups running vectors stay in
-// registers; groups n..kGroups-1 are padding.
+// its two largest b (a repeated maximum counts twice); without, its maximum. The second
+// largest is kept either way: it bounds step 4's floor. kGroups is a compile-time count, so
+// the loops unroll and the 2 * kGroups running vectors stay in registers; groups
+// n..kGroups-1 are padding.
 template <bool kTop2, int kGroups>
-inline void score_group_chunk(const float* b, int64_t group_size, int n, float* group_scores) {
+inline void score_group_chunk(const float* b, int64_t group_size, int n, float* group_scores,
+                              float* group_seconds) {
   Vec first[kGroups], second[kGroups];
 #pragma GCC unroll 16
   for (int i = 0; i < kGroups; ++i) {
@@ -225,34 +227,36 @@ inline void score_group_chunk(const float* b, int64_t group_size, int n, float* 
       for (int64_t e = 0; e < group_size; e += W) {
         const Vec x =
             Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf);
-        if constexpr (kTop2) s = Vec::max(s, Vec::min(f, x));
+        s = Vec::max(s, Vec::min(f, x));
         f = Vec::max(f, x);
       }
     }
     first[i] = f;
     second[i] = s;
   }
-  Vec::reduce_groups_top2<kTop2, kGroups>(first, second);
+  Vec::reduce_groups_top2<kGroups>(first, second);
   Vec score = first[0];
   if (kTop2 && group_size > 1) {  // a group of one expert scores that expert's b
     // +inf + -inf is NaN: it ranks as -inf like NaN in b (max returns -inf for a NaN sum).
     score = Vec::max(first[0] + second[0], Vec::set1(kNegInf));
   }
   score.store(group_scores, Vec::tail_mask(n));
+  second[0].store(group_seconds, Vec::tail_mask(n));
 }
 
 template <bool kTop2>
 inline void score_groups(const float* b, int64_t num_groups, int64_t group_size,
-                         float* group_scores) {
+                         float* group_scores, float* group_seconds) {
   // Half a chunk when that is enough: the common 8 groups then cost half the merges.
   constexpr int kHalf = W > 1 ? W / 2 : 1;
   for (int64_t g0 = 0; g0 < num_groups; g0 += W) {
     const int n = int(num_groups - g0 < W ? num_groups - g0 : W);
     const float* chunk = b + g0 * group_size;
     if (n <= kHalf) {
-      score_group_chunk<kTop2, kHalf>(chunk, group_size, n, group_scores + g0);
+      score_group_chunk<kTop2, kHalf>(chunk, group_size, n, group_scores + g0,
+                                      group_seconds + g0);
     } else {
-      score_group_chunk<kTop2, W>(chunk, group_size, n, group_scores + g0);
+      score_group_chunk<kTop2, W>(chunk, group_size, n, group_scores + g0, group_seconds + g0);
     }
   }
 }
@@ -310,6 +314,22 @@ inline LaneTop2 lanes_of_ranges(const float* b, const ExpertRange* ranges, int64
     }
   }
   return top;
+}
+
+// With groups and k <= 2 * topk_group, the groups' top-2 give a floor without reading b again
+// or sorting: the kept groups' largest and second largest b are 2 * topk_group distinct
+// experts, all at or above the least of the seconds. On DeepSeek-V3 it is as tight as the
+// lanes' floor (about 11 candidates either way).
+inline float lowest_kept_second(const float* group_seconds, int64_t group_size,
+                                const ExpertRange* ranges, int64_t num_ranges) {
+  float lowest = std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < num_ranges; ++r) {
+    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += group_size) {
+      const float second = group_seconds[e / group_size];
+      lowest = second < lowest ? second : lowest;
+    }
+  }
+  return lowest;
 }
 
 inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t num_ranges,
@@ -447,10 +467,13 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
     int64_t num_ranges = 1;
     float floor;
     if (!all_groups_kept) {
-      score_groups<has_bias>(ws.biased, num_groups, group_size, ws.group_scores);
+      score_groups<has_bias>(ws.biased, num_groups, group_size, ws.group_scores,
+                             ws.group_seconds);
       num_ranges = kept_ranges(ws.group_scores, num_groups, group_size, p.topk_group, ws);
       ranges = ws.ranges;
-      floor = candidate_floor(ws.biased, ranges, num_ranges, topk);
+      floor = topk <= 2 * p.topk_group
+                  ? lowest_kept_second(ws.group_seconds, group_size, ranges, num_ranges)
+                  : candidate_floor(ws.biased, ranges, num_ranges, topk);
     } else {
       floor = floor_from_lanes(top, topk);
     }

@@ -25,7 +25,7 @@ struct GroupedTopkWorkspace {
   float* row;              // [num_experts] the row widened to fp32, for column-strided logits
   float* bias;             // [num_experts] the bias widened to fp32, for a strided bias
   float* group_scores;     // [num_expert_group + kCandidateSlack]
-  float* ranks;            // [max(kMaxCandidates, num_expert_group) + kCandidateSlack]
+  float* group_seconds;    // [num_expert_group + kCandidateSlack] each group's second largest b
   float* candidates;       // [kMaxCandidates + kCandidateSlack] values b of the candidates
   int32_t* candidate_ids;  // [kMaxCandidates + kCandidateSlack] their expert indices
   int32_t* chosen;         // [topk] the chosen experts, best first

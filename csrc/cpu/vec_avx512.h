@@ -88,9 +88,8 @@ struct Vec {
   // lane g of first[0] / second[0] holds group g's largest / second largest over all its
   // lanes (a repeated maximum counts twice); lanes >= kGroups hold -inf. Four levels of a
   // transposing merge tree (each halves the lanes per group and doubles the groups per
-  // vector) replace 2 * kGroups separate horizontal reductions. Without kTop2 only `first`
-  // is reduced.
-  template <bool kTop2, int kGroups>
+  // vector) replace 2 * kGroups separate horizontal reductions.
+  template <int kGroups>
   static void reduce_groups_top2(Vec* first, Vec* second) {
     static_assert(kGroups == 8 || kGroups == 16, "one merge tree of 16 lanes");
     const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
@@ -104,11 +103,9 @@ struct Vec {
         const __m512 fa = first[2 * i].v, fb = paired ? first[2 * i + 1].v : neg_inf;
         const __m512 f_lo = fold_lo(level, fa, fb), f_hi = fold_hi(level, fa, fb);
         first[i].v = _mm512_max_ps(f_lo, f_hi);
-        if constexpr (kTop2) {
-          const __m512 sa = second[2 * i].v, sb = paired ? second[2 * i + 1].v : neg_inf;
-          const __m512 s_max = _mm512_max_ps(fold_lo(level, sa, sb), fold_hi(level, sa, sb));
-          second[i].v = _mm512_max_ps(_mm512_min_ps(f_lo, f_hi), s_max);
-        }
+        const __m512 sa = second[2 * i].v, sb = paired ? second[2 * i + 1].v : neg_inf;
+        const __m512 s_max = _mm512_max_ps(fold_lo(level, sa, sb), fold_hi(level, sa, sb));
+        second[i].v = _mm512_max_ps(_mm512_min_ps(f_lo, f_hi), s_max);
       }
       n = merged;
     }
@@ -116,7 +113,7 @@ struct Vec {
     const __m512i to_group =
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     first[0].v = _mm512_permutexvar_ps(to_group, first[0].v);
-    if constexpr (kTop2) second[0].v = _mm512_permutexvar_ps(to_group, second[0].v);
+    second[0].v = _mm512_permutexvar_ps(to_group, second[0].v);
   }
 
   // The k-th largest (1 <= k <= 16 * n) of the 16 * n values of v[0, n), n = 1 or 2, none

@@ -68,7 +68,7 @@ struct Vec {
     return k == 1 ? hi : lo;
   }
   // One lane holds one group: its running top-2 is already the group's.
-  template <bool kTop2, int kGroups>
+  template <int kGroups>
   static void reduce_groups_top2(Vec* /*first*/, Vec* /*second*/) {
     static_assert(kGroups == 1, "one group per lane");
   }
