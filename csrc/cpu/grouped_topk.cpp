@@ -240,8 +240,9 @@ inline void score_group_chunk(const float* b, int64_t group_size, int n, float* 
     // +inf + -inf is NaN: it ranks as -inf like NaN in b (max returns -inf for a NaN sum).
     score = Vec::max(first[0] + second[0], Vec::set1(kNegInf));
   }
-  score.store(group_scores, Vec::tail_mask(n));
-  second[0].store(group_seconds, Vec::tail_mask(n));
+  // Whole vectors (the arrays have a vector of slack): steps 3 and 4a read them right away.
+  score.store(group_scores);
+  second[0].store(group_seconds);
 }
 
 template <bool kTop2>

@@ -21,6 +21,7 @@ struct Vec {
   static Vec load(const T* p, Mask m, float fill) {
     return {m ? to_float(*p) : fill};
   }
+  void store(float* p) const { *p = v; }
   void store(float* p, Mask m) const {
     if (m) *p = v;
   }
