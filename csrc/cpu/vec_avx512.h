@@ -32,7 +32,14 @@ struct Vec {
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return {_mm512_mask_blend_ps(m, _mm512_set1_ps(fill), _mm512_cvtph_ps(h))};
   }
-  void store(float* p, Mask m) const { _mm512_mask_storeu_ps(p, m, v); }
+  // A full mask stores unmasked: a masked store does not forward to later loads.
+  void store(float* p, Mask m) const {
+    if (m == 0xffff) {
+      _mm512_storeu_ps(p, v);
+    } else {
+      _mm512_mask_storeu_ps(p, m, v);
+    }
+  }
   // All 16 lanes. A load soon after a masked store waits for the store to reach the cache
   // (no store-to-load forwarding from masked stores on Zen 4, ~10 cycles more per round trip).
   void store(float* p) const { _mm512_storeu_ps(p, v); }
