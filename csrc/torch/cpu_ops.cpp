@@ -33,16 +33,7 @@ at::Tensor empty_output(at::IntArrayRef sizes, at::ScalarType dtype) {
                                /*memory_format_opt=*/std::nullopt);
 }
 
-void biased_grouped_topk_out_cpu(const at::Tensor& gating_output,
-                                 const std::optional<at::Tensor>& correction_bias,
-                                 const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                                 int64_t num_expert_group, int64_t topk_group, bool renormalize,
-                                 double routed_scaling_factor, c10::string_view scoring_func) {
-  constexpr const char* op = "biased_grouped_topk_out";
-  check_cpu(gating_output, op, "gating_output");
-  const BiasedGroupedTopkParams p = make_grouped_topk_params(
-      gating_output, correction_bias, topk_weights, topk_ids, num_expert_group, topk_group,
-      renormalize, routed_scaling_factor, std::string_view(scoring_func.data(), scoring_func.size()), op);
+void run_grouped_topk_cpu(const BiasedGroupedTopkParams& p) {
   // A row costs about 1 ns per expert. Chunks of at least 4k expert-rows (~4 us) pay for the
   // second thread's wake-up: measured through torch.ops on 2 cores, 16k kept T = 32..64 on
   // one thread and cost 25-30% there; 1k split T = 8 and lost 30%.
@@ -52,20 +43,35 @@ void biased_grouped_topk_out_cpu(const at::Tensor& gating_output,
   });
 }
 
+void biased_grouped_topk_out_cpu(const at::Tensor& gating_output,
+                                 const std::optional<at::Tensor>& correction_bias,
+                                 const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                                 int64_t num_expert_group, int64_t topk_group, bool renormalize,
+                                 double routed_scaling_factor, c10::string_view scoring_func) {
+  constexpr const char* op = "biased_grouped_topk_out";
+  check_cpu(gating_output, op, "gating_output");
+  run_grouped_topk_cpu(make_grouped_topk_params(
+      gating_output, correction_bias, topk_weights, topk_ids, num_expert_group, topk_group,
+      renormalize, routed_scaling_factor,
+      std::string_view(scoring_func.data(), scoring_func.size()), op));
+}
+
 std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_impl_cpu(
     const at::Tensor& gating_output, const std::optional<at::Tensor>& correction_bias,
     int64_t num_expert_group, int64_t topk_group, int64_t topk, bool renormalize,
     double routed_scaling_factor, c10::string_view scoring_func) {
   constexpr const char* op = "biased_grouped_topk";
   check_cpu(gating_output, op, "gating_output");
-  check_grouped_topk_inputs(gating_output, correction_bias, num_expert_group, topk_group, topk,
-                            std::string_view(scoring_func.data(), scoring_func.size()), op);
+  const ScoringFunc scoring = check_grouped_topk_inputs(
+      gating_output, correction_bias, num_expert_group, topk_group, topk,
+      std::string_view(scoring_func.data(), scoring_func.size()), op);
   const int64_t num_tokens = gating_output.size(0);
   at::Tensor topk_weights = empty_output({num_tokens, topk}, at::kFloat);
   at::Tensor topk_ids = empty_output({num_tokens, topk}, at::kInt);
-  biased_grouped_topk_out_cpu(gating_output, correction_bias, topk_weights, topk_ids,
-                              num_expert_group, topk_group, renormalize, routed_scaling_factor,
-                              scoring_func);
+  // The outputs are ours and the inputs checked once above: no second validation.
+  run_grouped_topk_cpu(fill_grouped_topk_params(gating_output, correction_bias, topk_weights,
+                                                topk_ids, num_expert_group, topk_group,
+                                                renormalize, routed_scaling_factor, scoring));
   return {topk_weights, topk_ids};
 }
 

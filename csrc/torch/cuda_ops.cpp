@@ -39,6 +39,16 @@ void check_launch(GpuError error, const char* op) {
   TORCH_CHECK(error == nullptr, op, ": CUDA kernel launch failed: ", error);
 }
 
+// Launches on gating_output's device and current stream; checks the kernel's own limits first.
+void run_grouped_topk_cuda(const BiasedGroupedTopkParams& p, const at::Tensor& gating_output,
+                           const char* op) {
+  const char* limit = biased_grouped_topk_cuda_limit(p);
+  TORCH_CHECK(limit == nullptr, limit);
+  if (p.num_tokens == 0) return;
+  const c10::DeviceGuard guard(gating_output.device());
+  check_launch(biased_grouped_topk_cuda(p, current_stream(gating_output)), op);
+}
+
 void biased_grouped_topk_out_cuda(const at::Tensor& gating_output,
                                   const std::optional<at::Tensor>& correction_bias,
                                   const at::Tensor& topk_weights, const at::Tensor& topk_ids,
@@ -46,15 +56,11 @@ void biased_grouped_topk_out_cuda(const at::Tensor& gating_output,
                                   double routed_scaling_factor, c10::string_view scoring_func) {
   constexpr const char* op = "biased_grouped_topk_out";
   check_cuda(gating_output, op, "gating_output");
-  const BiasedGroupedTopkParams p = make_grouped_topk_params(
-      gating_output, correction_bias, topk_weights, topk_ids, num_expert_group, topk_group,
-      renormalize, routed_scaling_factor,
-      std::string_view(scoring_func.data(), scoring_func.size()), op);
-  const char* limit = biased_grouped_topk_cuda_limit(p);
-  TORCH_CHECK(limit == nullptr, limit);
-  if (p.num_tokens == 0) return;
-  const c10::DeviceGuard guard(gating_output.device());
-  check_launch(biased_grouped_topk_cuda(p, current_stream(gating_output)), op);
+  run_grouped_topk_cuda(make_grouped_topk_params(
+                            gating_output, correction_bias, topk_weights, topk_ids,
+                            num_expert_group, topk_group, renormalize, routed_scaling_factor,
+                            std::string_view(scoring_func.data(), scoring_func.size()), op),
+                        gating_output, op);
 }
 
 std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_cuda_op(
@@ -63,15 +69,18 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_cuda_op(
     double routed_scaling_factor, c10::string_view scoring_func) {
   constexpr const char* op = "biased_grouped_topk";
   check_cuda(gating_output, op, "gating_output");
-  check_grouped_topk_inputs(gating_output, correction_bias, num_expert_group, topk_group, topk,
-                            std::string_view(scoring_func.data(), scoring_func.size()), op);
+  const ScoringFunc scoring = check_grouped_topk_inputs(
+      gating_output, correction_bias, num_expert_group, topk_group, topk,
+      std::string_view(scoring_func.data(), scoring_func.size()), op);
   const int64_t num_tokens = gating_output.size(0);
   at::Tensor topk_weights =
       at::empty({num_tokens, topk}, gating_output.options().dtype(at::kFloat));
   at::Tensor topk_ids = at::empty({num_tokens, topk}, gating_output.options().dtype(at::kInt));
-  biased_grouped_topk_out_cuda(gating_output, correction_bias, topk_weights, topk_ids,
-                               num_expert_group, topk_group, renormalize, routed_scaling_factor,
-                               scoring_func);
+  // The outputs are ours and the inputs checked once above: no second validation.
+  run_grouped_topk_cuda(fill_grouped_topk_params(gating_output, correction_bias, topk_weights,
+                                                 topk_ids, num_expert_group, topk_group,
+                                                 renormalize, routed_scaling_factor, scoring),
+                        gating_output, op);
   return {topk_weights, topk_ids};
 }
 

@@ -92,12 +92,22 @@ BiasedGroupedTopkParams make_grouped_topk_params(
   TORCH_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be 2-D [num_tokens, topk], got ",
               topk_ids.dim(), "-D");
   const int64_t topk = topk_ids.size(1);
-  BiasedGroupedTopkParams p;
-  p.scoring_func = check_grouped_topk_inputs(gating_output, correction_bias, num_expert_group,
-                                             topk_group, topk, scoring_func, op);
+  const ScoringFunc scoring = check_grouped_topk_inputs(
+      gating_output, correction_bias, num_expert_group, topk_group, topk, scoring_func, op);
   check_output(topk_weights, gating_output, at::kFloat, topk, op, "topk_weights");
   check_output(topk_ids, gating_output, at::kInt, topk, op, "topk_ids");
+  return fill_grouped_topk_params(gating_output, correction_bias, topk_weights, topk_ids,
+                                  num_expert_group, topk_group, renormalize,
+                                  routed_scaling_factor, scoring);
+}
 
+BiasedGroupedTopkParams fill_grouped_topk_params(
+    const at::Tensor& gating_output, const std::optional<at::Tensor>& correction_bias,
+    const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t num_expert_group,
+    int64_t topk_group, bool renormalize, double routed_scaling_factor, ScoringFunc scoring) {
+  constexpr const char* op = "biased_grouped_topk";  // dtypes were checked: cannot fail
+  BiasedGroupedTopkParams p;
+  p.scoring_func = scoring;
   p.gating_output = gating_output.data_ptr();
   p.gating_dtype = to_moeext_dtype(gating_output, op, "gating_output");
   p.gating_row_stride = gating_output.stride(0);
@@ -115,7 +125,7 @@ BiasedGroupedTopkParams make_grouped_topk_params(
   p.num_experts = gating_output.size(1);
   p.num_expert_group = num_expert_group;
   p.topk_group = topk_group;
-  p.topk = topk;
+  p.topk = topk_ids.size(1);
   p.renormalize = renormalize;
   p.routed_scaling_factor = static_cast<float>(routed_scaling_factor);
   return p;

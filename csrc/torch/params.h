@@ -24,6 +24,13 @@ ScoringFunc check_grouped_topk_inputs(const at::Tensor& gating_output,
                                       int64_t topk, std::string_view scoring_func,
                                       const char* op);
 
+// Fills the launcher params from inputs check_grouped_topk_inputs accepted and outputs that
+// are float32 / int32 [num_tokens, topk] with contiguous columns on gating_output's device.
+BiasedGroupedTopkParams fill_grouped_topk_params(
+    const at::Tensor& gating_output, const std::optional<at::Tensor>& correction_bias,
+    const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t num_expert_group,
+    int64_t topk_group, bool renormalize, double routed_scaling_factor, ScoringFunc scoring);
+
 // Checks all arguments, outputs included, and fills the launcher params.
 BiasedGroupedTopkParams make_grouped_topk_params(
     const at::Tensor& gating_output, const std::optional<at::Tensor>& correction_bias,
