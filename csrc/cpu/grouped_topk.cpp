@@ -9,10 +9,12 @@
 // they are laid out in index order so position and index agree; where they are compared as
 // keys (the insertion fallback), a key packs a value and an index into one integer, so that
 // "larger value, then lower index" is a single unsigned compare.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "cpu/grouped_topk_isa.h"
 #include "cpu/vec.h"
@@ -91,11 +93,72 @@ inline void store_biased(Vec s, const BiasT* bias, int64_t e, typename Vec::Mask
   }
 }
 
+// Softmax of a row of kVecs vectors, held in registers from load to store (whole vectors to
+// scores, whose rows are padded to them). A row is one chain of dependent steps (maximum,
+// exps, sum, scaling) that the next row cannot overlap, so its length is the row's cost: the
+// registers save it two store-and-reload passes, and one divide for the row followed by
+// products (as torch's softmax computes it) saves it the vector divides, which queue on the
+// divider. Together DeepSeek-V2 rows take 0.95x the time; either change alone measured none.
+template <int kVecs, typename LogitT>
+void softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scores) {
+  // The last vector's lanes in the row, 1..W of them; a shift, not tail_mask's branches
+  // (along which GCC copies the whole function).
+  const auto last = typename Vec::Mask((uint32_t(1) << (num_experts - (kVecs - 1) * W)) - 1u);
+  Vec x[kVecs];
+  typename Vec::Mask has_nan = 0;
+  for (int i = 0; i < kVecs; ++i) {
+    x[i] = Vec::load(logits + i * W, i + 1 < kVecs ? Vec::tail_mask(W) : last, kNegInf);
+    has_nan |= Vec::is_nan(x[i]);
+  }
+  Vec row_max = x[0];
+  for (int i = 1; i < kVecs; ++i) row_max = Vec::max(row_max, x[i]);
+  // A NaN anywhere makes the whole row NaN, as in the reference.
+  const Vec shift = Vec::set1(has_nan ? std::numeric_limits<float>::quiet_NaN()
+                                      : Vec::reduce_max(row_max));
+  Vec sum = Vec::set1(0.0f);
+  for (int i = 0; i < kVecs; ++i) {
+    x[i] = vexp(x[i] - shift);
+    if (i + 1 == kVecs) x[i] = Vec::select(last, x[i], Vec::set1(0.0f));
+    sum = sum + x[i];
+  }
+  const Vec inverse = Vec::set1(1.0f / Vec::reduce_add(sum));
+  for (int i = 0; i < kVecs; ++i) (x[i] * inverse).store(scores + i * W);
+}
+
+// Rows of up to 16 vectors (256 experts on AVX-512) take softmax_in_registers; the row and
+// the exps' temporaries still fit the 32 vector registers.
+constexpr int kMaxSoftmaxVecs = W > 1 ? 16 : 0;
+
+template <typename LogitT>
+using SoftmaxFn = void (*)(const LogitT*, int64_t, float*);
+
+template <typename LogitT, int... I>
+constexpr std::array<SoftmaxFn<LogitT>, sizeof...(I)> softmax_table(
+    std::integer_sequence<int, I...>) {
+  return {&softmax_in_registers<I + 1, LogitT>...};
+}
+
+// kSoftmaxRows<LogitT>[n - 1] handles a row of n vectors.
+template <typename LogitT>
+inline constexpr auto kSoftmaxRows =
+    softmax_table<LogitT>(std::make_integer_sequence<int, kMaxSoftmaxVecs>{});
+
 // Step 1 for one row of contiguous logits.
 template <ScoringFunc kScore, int kTrack, typename LogitT, typename BiasT>
 void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, float* scores,
                float* biased, LaneTop2& top) {
   if constexpr (kScore == ScoringFunc::kSoftmax) {
+    if constexpr (kMaxSoftmaxVecs > 0) {
+      if (num_experts <= kMaxSoftmaxVecs * W) {
+        kSoftmaxRows<LogitT>[(num_experts + W - 1) / W - 1](logits, num_experts, scores);
+        for (int64_t e = 0; e < num_experts; e += W) {
+          const auto m = Vec::tail_mask(num_experts - e);
+          store_biased<kTrack>(Vec::load(scores + e, m, 0.0f), bias, e, m, biased, top);
+        }
+        return;
+      }
+    }
+    // Longer rows: the same steps in three passes over scores.
     Vec row_max = Vec::set1(kNegInf);
     typename Vec::Mask has_nan = 0;
     for (int64_t e = 0; e < num_experts; e += W) {
@@ -105,7 +168,6 @@ void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, flo
       row_max = Vec::max(row_max, x);
       x.store(scores + e, m);
     }
-    // max-subtracted softmax; a NaN anywhere makes the whole row NaN, as in the reference.
     const float max_value = has_nan ? std::numeric_limits<float>::quiet_NaN()
                                     : Vec::reduce_max(row_max);
     Vec sum = Vec::set1(0.0f);
@@ -116,10 +178,10 @@ void score_row(const LogitT* logits, const BiasT* bias, int64_t num_experts, flo
       sum = sum + ex;
       ex.store(scores + e, m);
     }
-    const Vec total = Vec::set1(Vec::reduce_add(sum));
+    const Vec inverse = Vec::set1(1.0f / Vec::reduce_add(sum));
     for (int64_t e = 0; e < num_experts; e += W) {
       const auto m = Vec::tail_mask(num_experts - e);
-      const Vec s = Vec::load(scores + e, m, 0.0f) / total;
+      const Vec s = Vec::load(scores + e, m, 0.0f) * inverse;
       s.store(scores + e, m);
       store_biased<kTrack>(s, bias, e, m, biased, top);
     }
