@@ -237,11 +237,15 @@ const float* score_row(const LogitT* logits, const BiasT* bias, int64_t num_expe
 static_assert(kMaxCandidates <= 64, "ranked lanes are tracked in 64-bit masks");
 constexpr int64_t kMaxRankVecs = (kMaxCandidates + W - 1) / W;
 
+// first, where given, holds values[0, W) with -inf past n, as the load would.
 template <int64_t kVecs>
-inline void rank_values(const float* values, int64_t n, Vec* rank) {
+inline void rank_values(const float* values, int64_t n, Vec* rank,
+                        const Vec* first = nullptr) {
   Vec v[kVecs];
   for (int64_t q = 0; q < kVecs; ++q) {
-    v[q] = Vec::load(values + q * W, Vec::tail_mask(n - q * W), kNegInf);
+    v[q] = q == 0 && first != nullptr
+               ? *first
+               : Vec::load(values + q * W, Vec::tail_mask(n - q * W), kNegInf);
     rank[q] = Vec::set1(0.0f);
   }
   for (int64_t j = 0; j < n; ++j) {
@@ -266,12 +270,12 @@ inline uint64_t rank_position(const Vec* rank, int64_t r) {
   return bits;
 }
 
-// ws.chosen[0, k) = the candidate ids of ranks 0..k-1.
+// ws.chosen[0, k) = the candidate ids of ranks 0..k-1; first as for rank_values.
 template <int64_t kVecs>
 struct ChooseRanked {
-  static void run(const GroupedTopkWorkspace& ws, int64_t count, int64_t k) {
+  static void run(const GroupedTopkWorkspace& ws, int64_t count, int64_t k, const Vec* first) {
     Vec rank[kVecs];
-    rank_values<kVecs>(ws.candidates, count, rank);
+    rank_values<kVecs>(ws.candidates, count, rank, first);
     for (int64_t j = 0; j < k; ++j) {
       ws.chosen[j] = ws.candidate_ids[__builtin_ctzll(rank_position<kVecs>(rank, j))];
     }
@@ -422,11 +426,18 @@ inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t 
 }
 
 // Step 4b: the experts at or above the floor, in index order, into ws.candidates /
-// ws.candidate_ids. Returns their number, or -1 once there are more than kMaxCandidates.
+// ws.candidate_ids, and the first W of their values into first (-inf past the count).
+// Returns their number, or -1 once there are more than kMaxCandidates.
 inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                                 float floor, const GroupedTopkWorkspace& ws) {
+                                 float floor, const GroupedTopkWorkspace& ws, Vec& first) {
   const Vec f = Vec::set1(floor);
   int64_t count = 0;
+  first = Vec::set1(kNegInf);
+  auto pack = [&](Vec x, typename Vec::Mask m, int64_t e) {
+    if (count < W) first = Vec::append_compressed(first, x, m, int(count));
+    count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
+                                 ws.candidate_ids + count);
+  };
   if (num_ranges > 1) {
     // The kept groups' ranges are short: a compress per vector, no branch on the data.
     for (int64_t r = 0; r < num_ranges; ++r) {
@@ -434,8 +445,7 @@ inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int6
         const auto in_range = Vec::tail_mask(ranges[r].end - e);
         const Vec x = Vec::load(b + e, in_range, kNegInf);
         // >= : a value equal to the floor may still win on a lower index.
-        count += Vec::compress_store(x, in_range & Vec::cmp_ge(x, f), int32_t(e),
-                                     ws.candidates + count, ws.candidate_ids + count);
+        pack(x, in_range & Vec::cmp_ge(x, f), e);
         if (count > kMaxCandidates) return -1;
       }
     }
@@ -460,8 +470,7 @@ inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int6
       const int64_t e = begin + __builtin_ctzll(holds) * W;
       const auto in_range = Vec::tail_mask(stop - e);
       const Vec x = Vec::load(b + e, in_range, kNegInf);
-      count += Vec::compress_store(x, in_range & Vec::cmp_ge(x, f), int32_t(e),
-                                   ws.candidates + count, ws.candidate_ids + count);
+      pack(x, in_range & Vec::cmp_ge(x, f), e);
       if (count > kMaxCandidates) return -1;
     }
   }
@@ -471,9 +480,10 @@ inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int6
 // Step 4 entry: ws.chosen[0, k) gets the k best experts, best first.
 inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
                            int64_t k, float floor, const GroupedTopkWorkspace& ws) {
-  const int64_t count = gather_candidates(b, ranges, num_ranges, floor, ws);
+  Vec first;
+  const int64_t count = gather_candidates(b, ranges, num_ranges, floor, ws, first);
   if (count >= 0) {
-    with_rank_vecs<ChooseRanked>(count, ws, count, k);
+    with_rank_vecs<ChooseRanked>(count, ws, count, k, count <= W ? &first : nullptr);
     return;
   }
   // Too many candidates (a row of ties, or k > 2W): insertion, offering only lanes at or

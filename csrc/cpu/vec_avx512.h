@@ -93,6 +93,17 @@ struct Vec {
     return __builtin_popcount(m);
   }
 
+  // acc with the lanes of m of x, packed in lane order, placed from lane `count` (< 16) on;
+  // lanes past 15 are dropped. compress_store's values kept in a register as well: a load
+  // of the packed values would span several of its stores, and such a load waits for them to
+  // reach the cache instead of being forwarded.
+  static Vec append_compressed(Vec acc, Vec x, Mask m, int count) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i from = _mm512_sub_epi32(lane, _mm512_set1_epi32(count));
+    const Mask place = Mask(((1u << __builtin_popcount(m)) - 1u) << count);
+    return {_mm512_mask_permutexvar_ps(acc.v, place, from, _mm512_maskz_compress_ps(m, x.v))};
+  }
+
   // Horizontal top-2 of kGroups (8 or 16) groups at once. In: first[g] / second[g] hold,
   // lane by lane, the largest and second largest value group g has seen in that lane. Out:
   // lane g of first[0] / second[0] holds group g's largest / second largest over all its

@@ -61,6 +61,9 @@ struct Vec {
     indices[0] = first_index;
     return m ? 1 : 0;
   }
+  static Vec append_compressed(Vec acc, Vec x, Mask m, int count) {
+    return m && count == 0 ? x : acc;
+  }
   // The k-th largest of v[0, n), n = 1 or 2 (values, not NaN).
   static float kth_largest(const Vec* v, int n, int64_t k) {
     if (n == 1) return v[0].v;
