@@ -433,15 +433,16 @@ inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t 
 }
 
 // Step 4b: the experts at or above the floor, in index order, into ws.candidates /
-// ws.candidate_ids, and the first W of their values into first (-inf past the count).
-// Returns their number, or -1 once there are more than kMaxCandidates.
-inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                                 float floor, const GroupedTopkWorkspace& ws, Vec& first) {
+// ws.candidate_ids, and with kPackFirst the first W of their values into first (-inf past
+// the count). Returns their number, or -1 once there are more than kMaxCandidates.
+template <bool kPackFirst>
+int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
+                          float floor, const GroupedTopkWorkspace& ws, Vec& first) {
   const Vec f = Vec::set1(floor);
   int64_t count = 0;
   first = Vec::set1(kNegInf);
   auto pack = [&](Vec x, typename Vec::Mask m, int64_t e) {
-    if (count < W) first = Vec::append_compressed(first, x, m, int(count));
+    if (kPackFirst && count < W) first = Vec::append_compressed(first, x, m, int(count));
     count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
                                  ws.candidate_ids + count);
   };
@@ -491,10 +492,13 @@ inline int64_t gather_candidates(const float* b, const ExpertRange* ranges, int6
 // Step 4 entry: ws.chosen[0, k) gets the k best experts, best first.
 inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
                            int64_t k, float floor, const GroupedTopkWorkspace& ws) {
+  // With k > W there are more than W candidates: no use packing the first W in a register
+  // (Nemotron-style rows 0.97x the time without it).
   Vec first;
-  const int64_t count = gather_candidates(b, ranges, num_ranges, floor, ws, first);
+  const int64_t count = k <= W ? gather_candidates<true>(b, ranges, num_ranges, floor, ws, first)
+                               : gather_candidates<false>(b, ranges, num_ranges, floor, ws, first);
   if (count >= 0) {
-    with_rank_vecs<ChooseRanked>(count, ws, count, k, count <= W ? &first : nullptr);
+    with_rank_vecs<ChooseRanked>(count, ws, count, k, k <= W && count <= W ? &first : nullptr);
     return;
   }
   // Too many candidates (a row of ties, or k > 2W): insertion, offering only lanes at or
