@@ -203,6 +203,22 @@ def test_nan_and_inf_rows(device_isa, scoring_func, logits_dtype):
         assert ids[0].tolist() == list(range(topk))
 
 
+@pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
+def test_exp_overflow_and_underflow_ranges(device_isa, scoring_func):
+    """Logits spread over +-150: exp overflows and lands in (and below) fp32's subnormals,
+    where a path without a scaling instruction (AVX2) builds 2^n from two halves."""
+    device, _ = device_isa
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(33, 61, generator=g) * 60
+    logits[0] = torch.linspace(-150, 150, 61)
+    logits[1] = -110 + torch.arange(61) * 0.25  # every score sits in exp's subnormal range
+    weights, ids = run_and_check(logits.to(device), None, strict=True, num_expert_group=1,
+                                 topk_group=1, topk=7, scoring_func=scoring_func)
+    ref_weights, _ = moeext.reference.biased_grouped_topk(logits, None, 1, 1, 7,
+                                                          scoring_func=scoring_func)
+    torch.testing.assert_close(weights.cpu(), ref_weights, rtol=2e-6, atol=1e-44)
+
+
 def test_bias_dtype_is_read_without_casting(cpu_isa):
     """No aten cast or copy runs for a bias or logits of another dtype (SPEC: no cast pass).
 

@@ -162,8 +162,12 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
       cpu::avx512::biased_grouped_topk(p, row_begin, row_end, ws);
       return;
 #endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      cpu::avx2::biased_grouped_topk(p, row_begin, row_end, ws);
+      return;
+#endif
     case CpuIsa::kAuto:
-    case CpuIsa::kAvx2:  // no AVX2 copy of the routing kernel
     case CpuIsa::kScalar:
       cpu::scalar::biased_grouped_topk(p, row_begin, row_end, ws);
       return;

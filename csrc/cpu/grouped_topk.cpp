@@ -130,8 +130,9 @@ bool softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scor
 }
 
 // Rows of up to 16 vectors (256 experts on AVX-512) take softmax_in_registers; the row and
-// the exps' temporaries still fit the 32 vector registers.
-constexpr int kMaxSoftmaxVecs = W > 1 ? 16 : 0;
+// the exps' temporaries still fit the 32 vector registers. AVX2 has 16: rows of up to 8
+// vectors (64 experts).
+constexpr int kMaxSoftmaxVecs = W == 16 ? 16 : W == 8 ? 8 : 0;
 
 template <typename LogitT>
 using SoftmaxFn = bool (*)(const LogitT*, int64_t, float*);

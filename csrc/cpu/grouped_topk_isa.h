@@ -40,6 +40,7 @@ struct GroupedTopkWorkspace {
                            int64_t row_end, const GroupedTopkWorkspace& ws);              \
   }
 MOEEXT_DECLARE_GROUPED_TOPK(scalar)
+MOEEXT_DECLARE_GROUPED_TOPK(avx2)
 MOEEXT_DECLARE_GROUPED_TOPK(avx512)
 #undef MOEEXT_DECLARE_GROUPED_TOPK
 

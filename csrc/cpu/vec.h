@@ -8,10 +8,12 @@
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512 || \
     MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
 #include "cpu/vec_avx512.h"
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
+#include "cpu/vec_avx2.h"
 #elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
 #include "cpu/vec_scalar.h"
 #else
-#error "no vector layer for this MOEEXT_CPU_ISA (avx2 builds only cpu/router_gemm.cpp)"
+#error "no vector layer for this MOEEXT_CPU_ISA"
 #endif
 
 #include "cpu/vec_math.h"

@@ -1,0 +1,282 @@
+// 8 x fp32 lanes of AVX2 (with FMA and F16C), for the CPUs without AVX-512: AMD Zen 1-3 and
+// most Intel client parts. Only compiled into the avx2 copy of each kernel; dispatch.cpp calls
+// that copy only on a CPU that reports AVX2, FMA and F16C.
+//
+// AVX2 has no mask registers. Masks are bit sets (bit i = lane i) as on the scalar path, so
+// the kernels keep their integer mask logic unchanged; the operations that need a lane mask
+// widen the bits with a broadcast, an AND and a compare.
+#pragma once
+
+#include <immintrin.h>
+
+#include <array>
+#include <cstdint>
+
+#include "cpu/types.h"
+
+namespace moeext::cpu::MOEEXT_CPU_ISA {
+
+namespace avx2_detail {
+
+// kCompress[m]: the lanes set in m, in order, as byte indices (unused bytes 0); a permute by
+// them packs those lanes to the front. The AVX-512 compress instruction, done by table.
+constexpr std::array<uint64_t, 256> make_compress_table() {
+  std::array<uint64_t, 256> table{};
+  for (unsigned m = 0; m < 256; ++m) {
+    uint64_t packed = 0;
+    int slot = 0;
+    for (unsigned lane = 0; lane < 8; ++lane) {
+      if (m & (1u << lane)) packed |= uint64_t(lane) << (8 * slot++);
+    }
+    table[m] = packed;
+  }
+  return table;
+}
+inline constexpr std::array<uint64_t, 256> kCompress = make_compress_table();
+
+inline __m256i compress_indices(uint32_t m) {
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(kCompress[m & 0xffu])));
+}
+
+}  // namespace avx2_detail
+
+struct Vec {
+  static constexpr int kWidth = 8;
+  using Mask = uint32_t;
+  __m256 v;
+
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Mask tail_mask(int64_t n) {
+    return n >= 8 ? Mask(0xff) : n <= 0 ? Mask(0) : Mask((1u << n) - 1u);
+  }
+  // All ones in the lanes of m.
+  static __m256i lanes(Mask m) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m)), bit), bit);
+  }
+
+  // Masked loads touch no memory outside m (maskload does not fault there); a full mask takes
+  // the plain load.
+  static Vec load(const float* p, Mask m, float fill) {
+    if (m == 0xff) return {_mm256_loadu_ps(p)};
+    const __m256i in = lanes(m);
+    return {_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, in),
+                             _mm256_castsi256_ps(in))};
+  }
+  static Vec load(const bf16_t* p, Mask m, float fill) {
+    const __m256i h = _mm256_cvtepu16_epi32(load_halves(p, m));
+    return {blend_fill(m, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), fill)};
+  }
+  static Vec load(const fp16_t* p, Mask m, float fill) {
+    return {blend_fill(m, _mm256_cvtph_ps(load_halves(p, m)), fill)};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(float* p, Mask m) const {
+    if (m == 0xff) {
+      store(p);
+    } else {
+      _mm256_maskstore_ps(p, lanes(m), v);
+    }
+  }
+
+  friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  // The second operand is returned when either is NaN (the instruction's own rule).
+  static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }
+  static Vec sqrt(Vec a) { return {_mm256_sqrt_ps(a.v)}; }
+  // Exact, as on the scalar path: AVX2's estimate has 12 bits, and one Newton step from it
+  // leaves about 2^-22, not far enough below the rounding vlog1p_unit relies on.
+  static Vec reciprocal(Vec d) { return {_mm256_div_ps(_mm256_set1_ps(1.0f), d.v)}; }
+  static Vec round(Vec a) {
+    return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  }
+  // a * 2^n for integral n with |n| <= 252 (vexp's range is [-150, 129]); NaN n gives NaN.
+  // AVX2 has no scalef: two exact powers of two, 2^(n/2) and the rest, each a normal
+  // number, so the product rounds once, where it lands below the normal range, as scalef does.
+  static Vec scalef(Vec a, Vec n) {
+    const __m256i total = _mm256_cvtps_epi32(n.v);
+    const __m256i half = _mm256_srai_epi32(total, 1);
+    const __m256 r = _mm256_mul_ps(_mm256_mul_ps(a.v, pow2(half)),
+                                   pow2(_mm256_sub_epi32(total, half)));
+    return {_mm256_blendv_ps(r, n.v, _mm256_cmp_ps(n.v, n.v, _CMP_UNORD_Q))};
+  }
+
+  static Mask cmp_gt(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
+  static Mask cmp_ge(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_GE_OQ)); }
+  static Mask cmp_lt(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)); }
+  static Mask cmp_eq(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)); }
+  static Mask is_nan(Vec a) { return bits(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)); }
+  static Vec select(Mask m, Vec a, Vec b) {
+    return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(lanes(m)))};
+  }
+
+  static float reduce_max(Vec a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static float reduce_add(Vec a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+
+  // acc + 1 in the lanes of m: a rank counter held in fp32 lanes.
+  static Vec count_true(Vec acc, Mask m) {
+    return {_mm256_add_ps(acc.v, _mm256_and_ps(_mm256_castsi256_ps(lanes(m)),
+                                               _mm256_set1_ps(1.0f)))};
+  }
+
+  // The lanes of m, packed in lane order, to values[0..) and their indices first_index + lane
+  // to indices[0..). Always writes all 8 slots of both; returns the number packed.
+  static int compress_store(Vec x, Mask m, int32_t first_index, float* values,
+                            int32_t* indices) {
+    const __m256i from = avx2_detail::compress_indices(m);
+    _mm256_storeu_ps(values, _mm256_permutevar8x32_ps(x.v, from));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(indices),
+                        _mm256_add_epi32(_mm256_set1_epi32(first_index), from));
+    return __builtin_popcount(m);
+  }
+
+  // acc with the lanes of m of x, packed in lane order, placed from lane `count` (< 8) on;
+  // lanes past 7 are dropped.
+  static Vec append_compressed(Vec acc, Vec x, Mask m, int count) {
+    const __m256 packed = _mm256_permutevar8x32_ps(x.v, avx2_detail::compress_indices(m));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    // Lane i takes packed lane i - count (the permute uses the index's low three bits).
+    const __m256 moved =
+        _mm256_permutevar8x32_ps(packed, _mm256_sub_epi32(lane, _mm256_set1_epi32(count)));
+    const Mask place = Mask(((1u << __builtin_popcount(m)) - 1u) << count) & 0xffu;
+    return {_mm256_blendv_ps(acc.v, moved, _mm256_castsi256_ps(lanes(place)))};
+  }
+
+  // Horizontal top-2 of kGroups (4 or 8) groups at once, as on AVX-512: in, first[g] /
+  // second[g] hold lane by lane the largest and second largest value group g has seen in that
+  // lane; out, lane g of first[0] / second[0] holds group g's over all its lanes (a repeated
+  // maximum counts twice), lanes >= kGroups -inf. Three levels of a transposing merge tree.
+  template <int kGroups>
+  static void reduce_groups_top2(Vec* first, Vec* second) {
+    static_assert(kGroups == 4 || kGroups == 8, "one merge tree of 8 lanes");
+    const __m256 neg_inf = _mm256_set1_ps(-__builtin_inff());
+    int n = kGroups;
+#pragma GCC unroll 3
+    for (int level = 0; level < 3; ++level) {
+      const int merged = (n + 1) / 2;
+#pragma GCC unroll 4
+      for (int i = 0; i < merged; ++i) {
+        const bool paired = 2 * i + 1 < n;
+        const __m256 fa = first[2 * i].v, fb = paired ? first[2 * i + 1].v : neg_inf;
+        const __m256 f_lo = fold_lo(level, fa, fb), f_hi = fold_hi(level, fa, fb);
+        first[i].v = _mm256_max_ps(f_lo, f_hi);
+        const __m256 sa = second[2 * i].v, sb = paired ? second[2 * i + 1].v : neg_inf;
+        const __m256 s_max = _mm256_max_ps(fold_lo(level, sa, sb), fold_hi(level, sa, sb));
+        second[i].v = _mm256_max_ps(_mm256_min_ps(f_lo, f_hi), s_max);
+      }
+      n = merged;
+    }
+    // The tree leaves groups 0, 2, 4, 6, 1, 3, 5, 7 in lanes 0..7.
+    const __m256i to_group = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    first[0].v = _mm256_permutevar8x32_ps(first[0].v, to_group);
+    second[0].v = _mm256_permutevar8x32_ps(second[0].v, to_group);
+  }
+
+  // The k-th largest (1 <= k <= 8 * n) of the 8 * n values of v[0, n), n = 1 or 2, none NaN:
+  // a bitonic sort in registers, as on AVX-512.
+  static float kth_largest(const Vec* v, int n, int64_t k) {
+    __m256 hi = sort_desc(v[0].v);
+    if (n == 2) {
+      const __m256 b = _mm256_permutevar8x32_ps(sort_desc(v[1].v),
+                                                _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0));
+      if (k > 8) {
+        k -= 8;
+        hi = _mm256_min_ps(hi, b);
+      } else {
+        hi = _mm256_max_ps(hi, b);
+      }
+      hi = merge_desc(hi);
+    }
+    return _mm256_cvtss_f32(_mm256_permutevar8x32_ps(hi, _mm256_set1_epi32(int(k - 1))));
+  }
+
+ private:
+  static Mask bits(__m256 lane_mask) { return Mask(_mm256_movemask_ps(lane_mask)); }
+
+  // 2^k for k in [-126, 127], built from its exponent field.
+  static __m256 pow2(__m256i k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+  }
+
+  // Eight 16-bit values, the lanes outside m zero, reading nothing outside m.
+  template <typename T>
+  static __m128i load_halves(const T* p, Mask m) {
+    if (m == 0xff) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    alignas(16) uint16_t part[8] = {};
+    for (uint32_t rest = m; rest != 0; rest &= rest - 1) {
+      const int lane = __builtin_ctz(rest);
+      part[lane] = p[lane].bits;
+    }
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+  }
+  static __m256 blend_fill(Mask m, __m256 x, float fill) {
+    if (m == 0xff) return x;
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_castsi256_ps(lanes(m)));
+  }
+
+  // Lane i against lane i ^ kD, keeping the larger in the lanes of kTakeMax.
+  template <int kD, int kTakeMax>
+  static __m256 exchange(__m256 x) {
+    __m256 partner;
+    if constexpr (kD == 1) {
+      partner = _mm256_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1));
+    } else if constexpr (kD == 2) {
+      partner = _mm256_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2));
+    } else {
+      partner = _mm256_permute2f128_ps(x, x, 0x01);
+    }
+    return _mm256_blend_ps(_mm256_min_ps(x, partner), _mm256_max_ps(x, partner), kTakeMax);
+  }
+  // Lanes i with (i & d) == 0 XOR (i & size) != 0 take the max: blocks of `size` sorted
+  // descending and ascending in turn; the last stage (size 8) is all descending.
+  static constexpr int take_max(int d, int size) {
+    int m = 0;
+    for (int i = 0; i < 8; ++i) {
+      if (((i & d) == 0) != ((i & size) != 0)) m |= 1 << i;
+    }
+    return m;
+  }
+  static __m256 sort_desc(__m256 x) {
+    x = exchange<1, take_max(1, 2)>(x);
+    x = exchange<2, take_max(2, 4)>(x);
+    x = exchange<1, take_max(1, 4)>(x);
+    return merge_desc(x);
+  }
+  // A bitonic 8-lane sequence sorted descending.
+  static __m256 merge_desc(__m256 x) {
+    x = exchange<4, take_max(4, 8)>(x);
+    x = exchange<2, take_max(2, 8)>(x);
+    return exchange<1, take_max(1, 8)>(x);
+  }
+
+  // One level of the merge tree: two vectors whose groups each span 8 >> level lanes become
+  // two vectors (lo, hi) whose lane-wise max holds the groups of both, each in half the lanes.
+  static __m256 fold_lo(int level, __m256 a, __m256 b) {
+    switch (level) {
+      case 0: return _mm256_permute2f128_ps(a, b, 0x20);
+      case 1: return _mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+      default: return _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    }
+  }
+  static __m256 fold_hi(int level, __m256 a, __m256 b) {
+    switch (level) {
+      case 0: return _mm256_permute2f128_ps(a, b, 0x31);
+      case 1: return _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+      default: return _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+  }
+};
+
+}  // namespace moeext::cpu::MOEEXT_CPU_ISA
