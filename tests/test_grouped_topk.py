@@ -203,6 +203,24 @@ def test_nan_and_inf_rows(device_isa, scoring_func, logits_dtype):
         assert ids[0].tolist() == list(range(topk))
 
 
+@pytest.mark.parametrize("topk", [5, 8, 9, 16, 17, 22, 31, 32])
+def test_floor_with_the_best_experts_filling_the_lanes(device_isa, topk):
+    """The 32 best experts are 0..31, the rest far below: each vector lane's top-2 (and on
+    8 lanes, the top-2 of alternate vectors) are then exactly the best experts, so the
+    candidate floor is exactly the k-th best, with no spare candidate to hide an off-by-one."""
+    device, _ = device_isa
+    g = torch.Generator().manual_seed(topk)
+    logits = torch.rand(19, 512, generator=g) - 20.0
+    for row in logits:
+        row[:32] = torch.randperm(32, generator=g).float() / 4.0
+    logits = logits.to(device)
+    run_and_check(logits, None, strict=True, num_expert_group=1, topk_group=1, topk=topk)
+    run_and_check(logits, torch.zeros(512, device=device), strict=True, num_expert_group=1,
+                  topk_group=1, topk=topk)
+    # Grouped, every group kept: the floor comes from re-reading the kept ranges.
+    run_and_check(logits, None, strict=True, num_expert_group=8, topk_group=1, topk=topk)
+
+
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
 def test_exp_overflow_and_underflow_ranges(device_isa, scoring_func):
     """Logits spread over +-150: exp overflows and lands in (and below) fp32's subnormals,

@@ -184,25 +184,51 @@ struct Vec {
     second[0].v = _mm256_permutevar8x32_ps(second[0].v, to_group);
   }
 
-  // The k-th largest (1 <= k <= 8 * n) of the 8 * n values of v[0, n), n = 1 or 2, none NaN:
-  // a bitonic sort in registers, as on AVX-512.
+  // The k-th largest (1 <= k <= 8 * n) of the 8 * n values of v[0, n), n = 1, 2 or 4, none
+  // NaN: a bitonic sort in registers, as on AVX-512. Four vectors, because 8 lanes' top-2
+  // bound only k <= 16 and routers choose up to 22 (see floor_from_alternate_lanes).
+  static constexpr int kMaxKthVecs = 4;
   static float kth_largest(const Vec* v, int n, int64_t k) {
-    __m256 hi = sort_desc(v[0].v);
-    if (n == 2) {
-      const __m256 b = _mm256_permutevar8x32_ps(sort_desc(v[1].v),
-                                                _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0));
-      if (k > 8) {
-        k -= 8;
-        hi = _mm256_min_ps(hi, b);
+    if (n == 1) return pick(sort_desc(v[0].v), k);
+    __m256 hi, lo;  // the 16 largest of v[0], v[1], sorted: hi then lo
+    merge_sorted(sort_desc(v[0].v), sort_desc(v[1].v), hi, lo);
+    if (n == 4) {
+      __m256 hi2, lo2;
+      merge_sorted(sort_desc(v[2].v), sort_desc(v[3].v), hi2, lo2);
+      // Two sorted 16s: against the other reversed, the lane-wise max holds the 16 largest
+      // of all 32 as a bitonic sequence, the min the 16 smallest.
+      const __m256 rev_lo2 = reverse(lo2), rev_hi2 = reverse(hi2);
+      if (k > 16) {
+        k -= 16;
+        hi = _mm256_min_ps(hi, rev_lo2);
+        lo = _mm256_min_ps(lo, rev_hi2);
       } else {
-        hi = _mm256_max_ps(hi, b);
+        hi = _mm256_max_ps(hi, rev_lo2);
+        lo = _mm256_max_ps(lo, rev_hi2);
       }
-      hi = merge_desc(hi);
+      // Sort the bitonic 16: its first half-cleaning step spans the two vectors.
+      const __m256 top = _mm256_max_ps(hi, lo), bottom = _mm256_min_ps(hi, lo);
+      hi = merge_desc(top);
+      lo = merge_desc(bottom);
     }
-    return _mm256_cvtss_f32(_mm256_permutevar8x32_ps(hi, _mm256_set1_epi32(int(k - 1))));
+    return k > 8 ? pick(lo, k - 8) : pick(hi, k);
   }
 
  private:
+  static __m256 reverse(__m256 x) {
+    return _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0));
+  }
+  // Lane k - 1 of x.
+  static float pick(__m256 x, int64_t k) {
+    return _mm256_cvtss_f32(_mm256_permutevar8x32_ps(x, _mm256_set1_epi32(int(k - 1))));
+  }
+  // Two vectors sorted descending merged into one sorted 16: hi then lo.
+  static void merge_sorted(__m256 a, __m256 b, __m256& hi, __m256& lo) {
+    const __m256 rev_b = reverse(b);
+    hi = merge_desc(_mm256_max_ps(a, rev_b));
+    lo = merge_desc(_mm256_min_ps(a, rev_b));
+  }
+
   static Mask bits(__m256 lane_mask) { return Mask(_mm256_movemask_ps(lane_mask)); }
 
   // 2^k for k in [-126, 127], built from its exponent field.

@@ -141,6 +141,7 @@ struct Vec {
   // NaN. A bitonic sort in registers: ten compare-exchange steps of fixed shuffles and
   // min/max, where ranking all pairs costs a broadcast, two compares, mask logic and a
   // masked add per value, chained through the mask registers.
+  static constexpr int kMaxKthVecs = 2;
   static float kth_largest(const Vec* v, int n, int64_t k) {
     __m512 hi = sort_desc(v[0].v);
     if (n == 2) {

@@ -65,6 +65,7 @@ struct Vec {
     return m && count == 0 ? x : acc;
   }
   // The k-th largest of v[0, n), n = 1 or 2 (values, not NaN).
+  static constexpr int kMaxKthVecs = 2;
   static float kth_largest(const Vec* v, int n, int64_t k) {
     if (n == 1) return v[0].v;
     const float hi = v[0].v > v[1].v ? v[0].v : v[1].v;
