@@ -111,6 +111,7 @@ struct Vec {
   static Mask cmp_eq(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)); }
   static Mask is_nan(Vec a) { return bits(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)); }
   static Vec select(Mask m, Vec a, Vec b) {
+    if (m == 0xff) return a;  // folds away for the constant full masks of whole vectors
     return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(lanes(m)))};
   }
 
@@ -129,6 +130,20 @@ struct Vec {
   static Vec count_true(Vec acc, Mask m) {
     return {_mm256_add_ps(acc.v, _mm256_and_ps(_mm256_castsi256_ps(lanes(m)),
                                                _mm256_set1_ps(1.0f)))};
+  }
+
+  // acc + 1 in the lanes that vj beats: larger than v, or equal and after vj's position
+  // (the lanes of `later`, which are lanes later_from.. of this vector; a layer uses
+  // whichever form it computes faster). Here all in vector
+  // compares: the bit-set masks' round trips through integer registers cost twice the
+  // instructions.
+  static Vec count_beaten(Vec acc, Vec vj, Vec v, Mask /*later*/, int64_t later_from) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 later = _mm256_cmp_ps(lane, _mm256_set1_ps(float(later_from)), _CMP_GE_OQ);
+    const __m256 beaten = _mm256_or_ps(
+        _mm256_cmp_ps(vj.v, v.v, _CMP_GT_OQ),
+        _mm256_and_ps(_mm256_cmp_ps(vj.v, v.v, _CMP_EQ_OQ), later));
+    return {_mm256_add_ps(acc.v, _mm256_and_ps(beaten, _mm256_set1_ps(1.0f)))};
   }
 
   // The lanes of m, packed in lane order, to values[0..) and their indices first_index + lane

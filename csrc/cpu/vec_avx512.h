@@ -80,6 +80,13 @@ struct Vec {
     return {_mm512_mask_add_ps(acc.v, m, acc.v, _mm512_set1_ps(1.0f))};
   }
 
+  // acc + 1 in the lanes that vj beats: larger than v, or equal and after vj's position
+  // (the lanes of `later`, which are lanes later_from.. of this vector; a layer uses
+  // whichever form it computes faster).
+  static Vec count_beaten(Vec acc, Vec vj, Vec v, Mask later, int64_t /*later_from*/) {
+    return count_true(acc, cmp_gt(vj, v) | (cmp_eq(vj, v) & later));
+  }
+
   // The lanes of m, packed in lane order, to values[0..) and their indices first_index + lane
   // to indices[0..). Always writes all 16 slots of both (room for them is the caller's);
   // returns the number packed. Compressing in a register and storing whole vectors, because

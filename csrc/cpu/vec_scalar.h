@@ -55,6 +55,12 @@ struct Vec {
   static float reduce_add(Vec a) { return a.v; }
 
   static Vec count_true(Vec acc, Mask m) { return {m ? acc.v + 1.0f : acc.v}; }
+  // acc + 1 in the lanes that vj beats: larger than v, or equal and after vj's position
+  // (the lanes of `later`, which are lanes later_from.. of this vector; a layer uses
+  // whichever form it computes faster).
+  static Vec count_beaten(Vec acc, Vec vj, Vec v, Mask later, int64_t /*later_from*/) {
+    return count_true(acc, cmp_gt(vj, v) | (cmp_eq(vj, v) & later));
+  }
   static int compress_store(Vec x, Mask m, int32_t first_index, float* values,
                             int32_t* indices) {
     values[0] = x.v;
