@@ -247,8 +247,9 @@ def cpu_isa() -> str:
 
 def set_cpu_isa(isa: str) -> None:
     """Forces the CPU kernels onto ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
-    ``"auto"`` picks the best. (``"avx2"`` and ``"avx512bf16"`` only change router_gemm: the
-    other kernels run their ``"scalar"`` and ``"avx512"`` code there. e8m0_shuffle has two
+    ``"auto"`` picks the best. (``"avx2"`` has code of its own for biased_grouped_topk and
+    router_gemm, and runs the ``"scalar"`` code of the other kernels; ``"avx512bf16"`` only
+    changes router_gemm and runs the ``"avx512"`` code of the rest. e8m0_shuffle has two
     paths: SSE2 on ``"scalar"``, AVX2 on every other.)
 
     The environment variable ``MOEEXT_CPU_ISA`` does the same at import time. Raises
