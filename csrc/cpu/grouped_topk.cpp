@@ -222,8 +222,8 @@ const float* score_row(const LogitT* logits, const BiasT* bias, int64_t num_expe
       }
       for (int64_t e = 0; e < num_experts; e += W) {
         const auto m = Vec::tail_mask(num_experts - e);
-        const Vec s =
-            sqrt_softplus(Vec::load(logits + e, m, 0.0f), Vec::load(scores + e, Vec::tail_mask(W), 0.0f));
+        const Vec exp_neg_abs = Vec::load(scores + e, Vec::tail_mask(W), 0.0f);
+        const Vec s = sqrt_softplus(Vec::load(logits + e, m, 0.0f), exp_neg_abs);
         s.store(scores + e, m);
         store_biased<kTrack>(s, bias, e, m, biased, top);
       }
@@ -415,7 +415,8 @@ inline int64_t kept_ranges(const float* group_scores, int64_t num_groups, int64_
 // the floor). With k <= kLaneMaxK the lane maxima alone give a floor almost as tight at a
 // quarter of the ranking work: on 16 lanes up to k = 16. On 8 lanes the maxima leave
 // too many candidates already at k = 6 and 8 (9.3 and 20 on average for routers of 160 to
-// 384 experts, against 6.2 and 8.7 from the top-2), so there only up to k = 4.
+// 384 experts, against 6.2 and 8.7 from the top-2), so there only up to k = 4 (and on
+// the one-lane portable path never).
 // Returns -inf for k > 2W: every expert is a candidate.
 constexpr int64_t kLaneMaxK = W >= 16 ? W : W / 2;
 inline float floor_from_lanes(const LaneTop2& top, int64_t k) {
@@ -487,7 +488,7 @@ inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t 
     if (k > 2 * W) return floor_from_alternate_lanes(b, ranges, num_ranges, k);
   }
   return floor_from_lanes(k <= kLaneMaxK ? lanes_of_ranges<1>(b, ranges, num_ranges)
-                                 : lanes_of_ranges<2>(b, ranges, num_ranges),
+                                         : lanes_of_ranges<2>(b, ranges, num_ranges),
                           k);
 }
 
