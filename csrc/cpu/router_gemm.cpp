@@ -1,12 +1,12 @@
 // Router GEMM on the CPU (SPEC.md section 2). Compiled once per ISA; see cpu/vec.h.
 //
-// The weight [E, H] is read in its nn.Linear layout: no packing step (a packed layout would
-// not cut the loads per dot product, which is what bounds this kernel, see TileShape). A
-// tile is kExperts weight rows x kTokens tokens whose fp32 accumulators stay in registers.
+// The weight [E, H] is read in its nn.Linear layout, never packed. A register tile is
+// kExperts weight rows x kTokens tokens whose fp32 accumulators stay in registers.
 // The caller's expert range is walked one tile row at a time, and every token block reuses
 // those weight rows while they are in L1/L2, so each weight row comes from memory once per
 // call however many tokens there are. Each accumulator holds per-lane partial sums, reduced
-// once at the end (a few instructions per logit against H/32 dot steps).
+// once at the end (a few instructions per logit against H/32 dot steps). Prefill batches
+// of bf16 on avx512bf16 take another layout, tokens in the vector lanes (namespace lanes).
 //
 // The per-ISA "Dot" types say how kStep consecutive elements of one token and one weight row
 // enter an accumulator:
@@ -28,8 +28,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
+#include <type_traits>
 #include <utility>
 
 #include "cpu/isa_id.h"
@@ -325,10 +328,206 @@ template <typename In, typename Out>
 inline constexpr TileTable<In, Out> kTiles{std::make_integer_sequence<
     int, TileShape<In>::kExperts * TileShape<In>::kTokens>{}};
 
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
+// Prefill batches, bf16 on avx512bf16: tokens in the vector lanes. The register tiles reload
+// their 4 token rows for every 6 weight rows; with several token blocks both operands stream
+// into L1 from L2 (10 lines per 24 dot products) and the tiles ran at 55-65% of the
+// vdpbf16ps peak (two per cycle on Zen 5). Here a vector holds one bf16 pair of each of 16
+// tokens, packed per call into the thread's scratch (the activations; the weight is read as
+// it is), and each weight pair is broadcast from its nn.Linear row: one vector of tokens
+// feeds several experts, and each weight line serves 16 steps. A lane sums its token's pairs
+// in order, so a token's logits depend on the call only through whether this path is taken.
+namespace lanes {
+
+constexpr int kLaneTokens = 16;
+// Experts per tile by vectors of tokens, measured at H = 7168: two vectors by 8 experts were
+// fastest at T = 32..256 (12 x 2 and 6 x 4 slower); one vector by 12 at T = 16 (8, 16, 24
+// and 30 slower: past 12 the weight rows streaming at once cost more than the reuse saves).
+constexpr int kLaneExperts[3] = {0, 12, 8};
+// Where the lanes start to pay against the register tiles (E = 256): one vector from 14
+// tokens (0.96-0.98x the time at 14, 0.84-0.87x at 16; at 12 and 13, 4-token tiles win),
+// two from 22 (at 20 one vector and a 4-token tile beat two part-empty vectors).
+constexpr int64_t kLaneMinTokens = 14;
+constexpr int64_t kTwoGroupMinTokens = 22;
+// 16 vectors (256 tokens, 3.6 MiB at H = 7168) are packed at a time, so the weight is read
+// from memory once per call up to 256 tokens. With the weight in the LLC, as in the Python
+// benchmark, packing 2 at a time is 5-8% faster at T = 64..256; with a gate from DRAM, as in
+// a model, that would read it 8 times at T = 256.
+constexpr int kPackedGroups = 16;
+
+// 16 rows of 16 dwords, transposed in place: v[j] gets dword j of every row.
+inline void transpose16(__m512i (&v)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // v[4q + c] now holds, in 128-bit lane l, dword 4l + c of rows 4q..4q+3.
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xdd);
+    t[8 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xdd);
+  }
+  for (int c = 0; c < 8; ++c) {
+    v[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+    v[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+  }
+}
+
+// packed[pair * 16 + lane] = elements 2 * pair and 2 * pair + 1 of token `lane` (n <= 16
+// rows of x); lanes past n, and the missing partner of an odd last element, are zero.
+inline void pack_tokens(const bf16_t* x, int64_t row_stride, int64_t n, int64_t hidden_size,
+                        uint32_t* packed) {
+  const int64_t pairs = (hidden_size + 1) / 2;
+  for (int64_t h = 0; h < hidden_size; h += 32) {
+    const __mmask32 m = mask32(hidden_size - h);
+    __m512i v[kLaneTokens];
+    for (int l = 0; l < kLaneTokens; ++l) {
+      v[l] = l < n ? _mm512_maskz_loadu_epi16(m, x + l * row_stride + h)
+                   : _mm512_setzero_si512();
+    }
+    transpose16(v);
+    const int64_t pair = h / 2;
+    const int count = int(std::min<int64_t>(16, pairs - pair));
+    for (int j = 0; j < count; ++j) _mm512_store_si512(packed + (pair + j) * kLaneTokens, v[j]);
+  }
+}
+
+// R experts from `expert` by V vectors of packed tokens (vector v at packed + v * group_stride)
+// that hold tokens [token, token + tokens).
+template <typename Out, int R, int V>
+void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed,
+          int64_t group_stride, int64_t token, int64_t tokens) {
+  const int64_t H = p.hidden_size;
+  const bf16_t* w = static_cast<const bf16_t*>(p.weight) + expert * p.weight_row_stride;
+  __m512 acc[V][R];
+  for (int v = 0; v < V; ++v) {
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm512_setzero_ps();
+  }
+  const auto step = [&](int64_t pair, auto weight_pair) {
+    __m512bh xv[V];
+    for (int v = 0; v < V; ++v) {
+      xv[v] = __m512bh(_mm512_load_si512(packed + v * group_stride + pair * kLaneTokens));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = __m512bh(_mm512_set1_epi32(weight_pair(r)));
+      for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbf16_ps(acc[v][r], xv[v], wv);
+    }
+  };
+  const int64_t full_pairs = H / 2;
+  for (int64_t pair = 0; pair < full_pairs; ++pair) {
+    step(pair, [&](int r) {
+      int32_t bits;
+      std::memcpy(&bits, w + r * p.weight_row_stride + 2 * pair, sizeof(bits));
+      return bits;
+    });
+  }
+  if (H % 2 != 0) {  // the last element alone: its partner is zero on both sides
+    step(full_pairs, [&](int r) { return int32_t(w[r * p.weight_row_stride + H - 1].bits); });
+  }
+  alignas(64) float lane_sums[R][kLaneTokens];
+  for (int v = 0; v < V; ++v) {
+    for (int r = 0; r < R; ++r) _mm512_store_ps(lane_sums[r], acc[v][r]);
+    const int64_t first = token + v * kLaneTokens;
+    const int64_t count = std::min<int64_t>(kLaneTokens, token + tokens - first);
+    for (int64_t l = 0; l < count; ++l) {
+      Out* out = static_cast<Out*>(p.logits) + (first + l) * p.logits_row_stride + expert;
+      for (int r = 0; r < R; ++r) store_logit(lane_sums[r][l], out + r);
+    }
+  }
+}
+
+template <typename Out>
+using TileFn = void (*)(const RouterGemmParams&, int64_t, const uint32_t*, int64_t, int64_t,
+                        int64_t);
+
+// fn[r - 1] is the tile of r experts: the end of an expert range gets an exact-size tile.
+template <typename Out, int V>
+struct TileTable {
+  TileFn<Out> fn[kLaneExperts[V]];
+  template <int... I>
+  constexpr explicit TileTable(std::integer_sequence<int, I...>) : fn{&tile<Out, I + 1, V>...} {}
+};
+template <typename Out, int V>
+inline constexpr TileTable<Out, V> kTiles{std::make_integer_sequence<int, kLaneExperts[V]>{}};
+
+// Packs up to kPackedGroups x 16 tokens at a time and returns how many leading tokens it
+// did; the fewer than kLaneMinTokens left after them are the register tiles' work. Each tile
+// of weight rows serves every packed token while it is in L2, so the weight is read from
+// memory once per kPackedGroups x 16 tokens.
+template <typename Out>
+int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  if (p.num_tokens < kLaneMinTokens) return 0;
+  const int64_t group_stride = (p.hidden_size + 1) / 2 * kLaneTokens;
+  // Grown, never shrunk: kPackedGroups groups of the largest H the thread has seen.
+  thread_local std::unique_ptr<uint32_t, void (*)(void*)> scratch{nullptr, std::free};
+  thread_local int64_t scratch_words = 0;
+  if (scratch_words < kPackedGroups * group_stride) {
+    const size_t bytes = size_t(kPackedGroups * group_stride) * sizeof(uint32_t);
+    scratch.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
+    if (scratch == nullptr) throw std::bad_alloc();
+    scratch_words = kPackedGroups * group_stride;
+  }
+  const bf16_t* x = static_cast<const bf16_t*>(p.hidden_states);
+  int64_t token = 0;
+  while (p.num_tokens - token >= kLaneMinTokens) {
+    // The packed groups, each one vector (16 tokens) or a pair of them, and how many tokens
+    // each group's tiles cover.
+    struct Group {
+      int64_t token, tokens;
+      int vectors;
+    } groups[kPackedGroups];
+    int num_groups = 0, packed = 0;
+    int64_t next = token;
+    while (packed < kPackedGroups && p.num_tokens - next >= kLaneMinTokens) {
+      const int vectors =
+          p.num_tokens - next >= kTwoGroupMinTokens && packed + 2 <= kPackedGroups ? 2 : 1;
+      const int64_t tokens = std::min<int64_t>(vectors * kLaneTokens, p.num_tokens - next);
+      for (int v = 0; v < vectors; ++v) {
+        const int64_t first = next + v * kLaneTokens;
+        pack_tokens(x + first * p.hidden_row_stride, p.hidden_row_stride,
+                    std::min<int64_t>(kLaneTokens, p.num_tokens - first), p.hidden_size,
+                    scratch.get() + (packed + v) * group_stride);
+      }
+      groups[num_groups++] = {next, tokens, vectors};
+      packed += vectors;
+      next += tokens;
+    }
+    // One tile width for all groups, so each weight tile is loaded once for all of them.
+    const int experts = kLaneExperts[groups[0].vectors];
+    for (int64_t e = expert_begin; e < expert_end; e += experts) {
+      const int rows = int(std::min<int64_t>(experts, expert_end - e));
+      const uint32_t* group_packed = scratch.get();
+      for (int g = 0; g < num_groups; ++g) {
+        const int r = std::min(rows, kLaneExperts[groups[g].vectors]);
+        for (int done = 0; done < rows; done += r) {
+          const int n = std::min(r, rows - done);
+          const TileFn<Out> fn =
+              groups[g].vectors == 2 ? kTiles<Out, 2>.fn[n - 1] : kTiles<Out, 1>.fn[n - 1];
+          fn(p, e + done, group_packed, group_stride, groups[g].token, groups[g].tokens);
+        }
+        group_packed += groups[g].vectors * group_stride;
+      }
+    }
+    token = next;
+  }
+  return token;
+}
+
+}  // namespace lanes
+#endif
+
 // Weight rows outermost: each tile row of kExperts rows is read from memory once and then
 // served from L1/L2 to every token block.
 template <typename In, typename Out>
-void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+void run_tiles(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
   using Acc = typename Dot<In>::Acc;
   using Shape = TileShape<In>;
   constexpr int kTileAccs = Shape::kExperts * Shape::kTokens;
@@ -361,6 +560,23 @@ void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
       if (last) break;
     }
   }
+}
+
+template <typename In, typename Out>
+void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
+  if constexpr (std::is_same_v<In, bf16_t>) {
+    const int64_t done = lanes::run<Out>(p, expert_begin, expert_end);
+    if (done == p.num_tokens) return;
+    RouterGemmParams rest = p;
+    rest.hidden_states = static_cast<const In*>(p.hidden_states) + done * p.hidden_row_stride;
+    rest.logits = static_cast<Out*>(p.logits) + done * p.logits_row_stride;
+    rest.num_tokens = p.num_tokens - done;
+    run_tiles<In, Out>(rest, expert_begin, expert_end);
+    return;
+  }
+#endif
+  run_tiles<In, Out>(p, expert_begin, expert_end);
 }
 
 template <typename In>
