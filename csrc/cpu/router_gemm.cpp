@@ -332,31 +332,43 @@ inline constexpr TileTable<In, Out> kTiles{std::make_integer_sequence<
 // Prefill batches, bf16 on avx512bf16: tokens in the vector lanes. The register tiles reload
 // their 4 token rows for every 6 weight rows; with several token blocks both operands stream
 // into L1 from L2 (10 lines per 24 dot products) and the tiles ran at 55-65% of the
-// vdpbf16ps peak (two per cycle on Zen 5). Here a vector holds one bf16 pair of each of 16
-// tokens, packed per call into the thread's scratch (the activations; the weight is read as
-// it is), and each weight pair is broadcast from its nn.Linear row: one vector of tokens
-// feeds several experts, and each weight line serves 16 steps. A lane sums its token's pairs
-// in order, so a token's logits depend on the call only through whether this path is taken.
+// vdpbf16ps peak (two per cycle on Zen 5). Here the activations are packed per call into the
+// thread's scratch (the weight is read as it is) so that a vector holds kPairs consecutive
+// bf16 pairs of each of 16 / kPairs tokens, and each weight's kPairs pairs are broadcast
+// from its nn.Linear row: one broadcast feeds every vector of tokens in the tile, one vector
+// of tokens feeds 8 experts, and each weight line serves 16 / kPairs steps. A lane sums its
+// pairs in order and a token's kPairs lanes are added at the end, so a token's logits depend
+// on the call only through the layout its batch size picks.
 namespace lanes {
 
-constexpr int kLaneTokens = 16;
-// Experts per tile by vectors of tokens, measured at H = 7168: two vectors by 8 experts were
-// fastest at T = 32..256 (12 x 2 and 6 x 4 slower); one vector by 12 at T = 16 (8, 16, 24
-// and 30 slower: past 12 the weight rows streaming at once cost more than the reuse saves).
-constexpr int kLaneExperts[3] = {0, 12, 8};
-// Where the lanes start to pay against the register tiles (E = 256): one vector from 14
-// tokens (0.96-0.98x the time at 14, 0.84-0.87x at 16; at 12 and 13, 4-token tiles win),
-// two from 22 (at 20 one vector and a 4-token tile beat two part-empty vectors).
-constexpr int64_t kLaneMinTokens = 14;
-constexpr int64_t kTwoGroupMinTokens = 22;
-// 16 vectors (256 tokens, 3.6 MiB at H = 7168) are packed at a time, so the weight is read
-// from memory once per call up to 256 tokens. With the weight in the LLC, as in the Python
-// benchmark, packing 2 at a time is 5-8% faster at T = 64..256; with a gate from DRAM, as in
-// a model, that would read it 8 times at T = 256.
-constexpr int kPackedGroups = 16;
+// The layouts, by how many tokens are left to route (measured at E = 256, H = 7168, against
+// the register tiles and each other, two threads):
+//   >= 25 tokens: 2 vectors of 16 tokens (1 pair each): 32 tokens per tile;
+//   17..24:       3 vectors of 8 tokens (2 pairs each): T = 20 0.96x, T = 24 0.77x the time
+//                 of two 16-token vectors, whose second vector is mostly empty there;
+//   11..16:       2 vectors of 8 tokens: T = 12 0.92x, 16 0.88x the register tiles' time
+//                 (a single 16-token vector gave 1.0x and 0.84-0.87x: one broadcast per dot
+//                 product instead of one per two);
+//   fewer:        the register tiles (T = 9 and 10 are level with them).
+// 8 experts per tile in every layout: 12 x 2, 6 x 4 and 16 x 1 tiles were slower.
+struct Layout {
+  int pairs;    // consecutive bf16 pairs of a token in one vector: 1 or 2
+  int vectors;  // vectors of tokens per tile
+  constexpr int tokens_per_vector() const { return 16 / pairs; }
+  constexpr int tokens() const { return vectors * tokens_per_vector(); }
+};
+constexpr Layout kLayouts[3] = {{1, 2}, {2, 3}, {2, 2}};
+constexpr int64_t kLayoutMinTokens[3] = {25, 17, 11};
+constexpr int64_t kLaneMinTokens = 11;
+constexpr int kLaneExperts = 8;
+// Vector slots packed at a time (16, 3.6 MiB at H = 7168), so the weight is read from memory
+// once per call up to 256 tokens. With the weight in the LLC, as in the Python benchmark,
+// packing 2 at a time is 5-8% faster at T = 64..256; with a gate from DRAM, as in a model,
+// that would read it 8 times at T = 256.
+constexpr int kPackedVectors = 16;
 
 // 16 rows of 16 dwords, transposed in place: v[j] gets dword j of every row.
-inline void transpose16(__m512i (&v)[16]) {
+inline void transpose_dwords(__m512i (&v)[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
@@ -381,65 +393,104 @@ inline void transpose16(__m512i (&v)[16]) {
   }
 }
 
-// packed[pair * 16 + lane] = elements 2 * pair and 2 * pair + 1 of token `lane` (n <= 16
-// rows of x); lanes past n, and the missing partner of an odd last element, are zero.
-inline void pack_tokens(const bf16_t* x, int64_t row_stride, int64_t n, int64_t hidden_size,
-                        uint32_t* packed) {
-  const int64_t pairs = (hidden_size + 1) / 2;
-  for (int64_t h = 0; h < hidden_size; h += 32) {
-    const __mmask32 m = mask32(hidden_size - h);
-    __m512i v[kLaneTokens];
-    for (int l = 0; l < kLaneTokens; ++l) {
-      v[l] = l < n ? _mm512_maskz_loadu_epi16(m, x + l * row_stride + h)
-                   : _mm512_setzero_si512();
-    }
-    transpose16(v);
-    const int64_t pair = h / 2;
-    const int count = int(std::min<int64_t>(16, pairs - pair));
-    for (int j = 0; j < count; ++j) _mm512_store_si512(packed + (pair + j) * kLaneTokens, v[j]);
+// 8 rows of 8 qwords (v[0..7]), transposed in place: v[j] gets qword j of every row.
+inline void transpose_qwords(__m512i (&v)[16]) {
+  __m512i t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm512_unpacklo_epi64(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi64(v[i], v[i + 1]);
+  }
+  // t[2a + c] now holds, in 128-bit lane l, qword 2l + c of rows 2a and 2a + 1.
+  __m512i u[8];
+  for (int c = 0; c < 2; ++c) {
+    u[c] = _mm512_shuffle_i64x2(t[c], t[2 + c], 0x88);
+    u[2 + c] = _mm512_shuffle_i64x2(t[c], t[2 + c], 0xdd);
+    u[4 + c] = _mm512_shuffle_i64x2(t[4 + c], t[6 + c], 0x88);
+    u[6 + c] = _mm512_shuffle_i64x2(t[4 + c], t[6 + c], 0xdd);
+  }
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm512_shuffle_i64x2(u[c], u[4 + c], 0x88);
+    v[4 + c] = _mm512_shuffle_i64x2(u[c], u[4 + c], 0xdd);
   }
 }
 
-// R experts from `expert` by V vectors of packed tokens (vector v at packed + v * group_stride)
+// The number of pair groups (kPairs consecutive pairs) a row of hidden_size elements spans.
+inline int64_t pair_groups(int64_t hidden_size, int pairs) {
+  return (hidden_size + 2 * pairs - 1) / (2 * pairs);
+}
+
+// One vector of tokens: packed[g * 16 + lane], lane = token * kPairs + j, holds elements
+// 2 * (g * kPairs + j) and the one after of that token (n <= 16 / kPairs rows of x). Lanes of
+// tokens past n, and elements past hidden_size, are zero.
+template <int kPairs>
+void pack_tokens(const bf16_t* x, int64_t row_stride, int64_t n, int64_t hidden_size,
+                 uint32_t* packed) {
+  constexpr int kRows = 16 / kPairs;
+  const int64_t groups = pair_groups(hidden_size, kPairs);
+  for (int64_t h = 0; h < hidden_size; h += 32) {
+    const __mmask32 m = mask32(hidden_size - h);
+    __m512i v[16];
+    for (int l = 0; l < kRows; ++l) {
+      v[l] = l < n ? _mm512_maskz_loadu_epi16(m, x + l * row_stride + h)
+                   : _mm512_setzero_si512();
+    }
+    if constexpr (kPairs == 1) {
+      transpose_dwords(v);
+    } else {
+      transpose_qwords(v);
+    }
+    const int64_t group = h / (2 * kPairs);
+    const int count = int(std::min<int64_t>(kRows, groups - group));
+    for (int j = 0; j < count; ++j) _mm512_store_si512(packed + (group + j) * 16, v[j]);
+  }
+}
+
+// R experts from `expert` by V vectors of packed tokens (vector v at packed + v * stride)
 // that hold tokens [token, token + tokens).
-template <typename Out, int R, int V>
-void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed,
-          int64_t group_stride, int64_t token, int64_t tokens) {
+template <typename Out, int kPairs, int V, int R>
+void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed, int64_t stride,
+          int64_t token, int64_t tokens) {
+  using Bits = std::conditional_t<kPairs == 1, int32_t, long long>;
+  constexpr int kRows = 16 / kPairs;
   const int64_t H = p.hidden_size;
   const bf16_t* w = static_cast<const bf16_t*>(p.weight) + expert * p.weight_row_stride;
   __m512 acc[V][R];
   for (int v = 0; v < V; ++v) {
     for (int r = 0; r < R; ++r) acc[v][r] = _mm512_setzero_ps();
   }
-  const auto step = [&](int64_t pair, auto weight_pair) {
+  const auto step = [&](int64_t group, int64_t elements) {
     __m512bh xv[V];
     for (int v = 0; v < V; ++v) {
-      xv[v] = __m512bh(_mm512_load_si512(packed + v * group_stride + pair * kLaneTokens));
+      xv[v] = __m512bh(_mm512_load_si512(packed + v * stride + group * 16));
     }
     for (int r = 0; r < R; ++r) {
-      const __m512bh wv = __m512bh(_mm512_set1_epi32(weight_pair(r)));
+      Bits bits = 0;  // a short last group reads only its elements; the rest stay zero
+      std::memcpy(&bits, w + r * p.weight_row_stride + group * 2 * kPairs,
+                  size_t(elements) * sizeof(bf16_t));
+      __m512bh wv;
+      if constexpr (kPairs == 1) {
+        wv = __m512bh(_mm512_set1_epi32(bits));
+      } else {
+        wv = __m512bh(_mm512_set1_epi64(bits));
+      }
       for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbf16_ps(acc[v][r], xv[v], wv);
     }
   };
-  const int64_t full_pairs = H / 2;
-  for (int64_t pair = 0; pair < full_pairs; ++pair) {
-    step(pair, [&](int r) {
-      int32_t bits;
-      std::memcpy(&bits, w + r * p.weight_row_stride + 2 * pair, sizeof(bits));
-      return bits;
-    });
-  }
-  if (H % 2 != 0) {  // the last element alone: its partner is zero on both sides
-    step(full_pairs, [&](int r) { return int32_t(w[r * p.weight_row_stride + H - 1].bits); });
-  }
-  alignas(64) float lane_sums[R][kLaneTokens];
+  const int64_t full_groups = H / (2 * kPairs);
+  for (int64_t g = 0; g < full_groups; ++g) step(g, 2 * kPairs);
+  if (H % (2 * kPairs) != 0) step(full_groups, H % (2 * kPairs));
+  alignas(64) float lane_sums[R][16];
   for (int v = 0; v < V; ++v) {
     for (int r = 0; r < R; ++r) _mm512_store_ps(lane_sums[r], acc[v][r]);
-    const int64_t first = token + v * kLaneTokens;
-    const int64_t count = std::min<int64_t>(kLaneTokens, token + tokens - first);
+    const int64_t first = token + v * kRows;
+    const int64_t count = std::min<int64_t>(kRows, token + tokens - first);
     for (int64_t l = 0; l < count; ++l) {
       Out* out = static_cast<Out*>(p.logits) + (first + l) * p.logits_row_stride + expert;
-      for (int r = 0; r < R; ++r) store_logit(lane_sums[r][l], out + r);
+      for (int r = 0; r < R; ++r) {
+        float sum = lane_sums[r][l * kPairs];
+        for (int j = 1; j < kPairs; ++j) sum += lane_sums[r][l * kPairs + j];
+        store_logit(sum, out + r);
+      }
     }
   }
 }
@@ -448,75 +499,85 @@ template <typename Out>
 using TileFn = void (*)(const RouterGemmParams&, int64_t, const uint32_t*, int64_t, int64_t,
                         int64_t);
 
-// fn[r - 1] is the tile of r experts: the end of an expert range gets an exact-size tile.
-template <typename Out, int V>
+// fn[r - 1] is the tile of r experts in layout L: the end of an expert range gets an
+// exact-size tile.
+template <typename Out, int L>
 struct TileTable {
-  TileFn<Out> fn[kLaneExperts[V]];
+  TileFn<Out> fn[kLaneExperts];
   template <int... I>
-  constexpr explicit TileTable(std::integer_sequence<int, I...>) : fn{&tile<Out, I + 1, V>...} {}
+  constexpr explicit TileTable(std::integer_sequence<int, I...>)
+      : fn{&tile<Out, kLayouts[L].pairs, kLayouts[L].vectors, I + 1>...} {}
 };
-template <typename Out, int V>
-inline constexpr TileTable<Out, V> kTiles{std::make_integer_sequence<int, kLaneExperts[V]>{}};
+template <typename Out, int L>
+inline constexpr TileTable<Out, L> kTiles{std::make_integer_sequence<int, kLaneExperts>{}};
 
-// Packs up to kPackedGroups x 16 tokens at a time and returns how many leading tokens it
-// did; the fewer than kLaneMinTokens left after them are the register tiles' work. Each tile
-// of weight rows serves every packed token while it is in L2, so the weight is read from
-// memory once per kPackedGroups x 16 tokens.
+template <typename Out>
+TileFn<Out> tile_fn(int layout, int rows) {
+  switch (layout) {
+    case 0:
+      return kTiles<Out, 0>.fn[rows - 1];
+    case 1:
+      return kTiles<Out, 1>.fn[rows - 1];
+    default:
+      return kTiles<Out, 2>.fn[rows - 1];
+  }
+}
+
+// Packs up to kPackedVectors vectors of tokens at a time and returns how many leading tokens
+// it did; the fewer than kLaneMinTokens left after them are the register tiles' work. Each
+// tile of weight rows serves every packed token while it is in L1/L2.
 template <typename Out>
 int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
   if (p.num_tokens < kLaneMinTokens) return 0;
-  const int64_t group_stride = (p.hidden_size + 1) / 2 * kLaneTokens;
-  // Grown, never shrunk: kPackedGroups groups of the largest H the thread has seen.
+  // A vector slot holds any layout: one pair per lane spans the most groups.
+  const int64_t stride = pair_groups(p.hidden_size, 1) * 16;
+  // Grown, never shrunk: kPackedVectors slots of the largest H the thread has seen.
   thread_local std::unique_ptr<uint32_t, void (*)(void*)> scratch{nullptr, std::free};
   thread_local int64_t scratch_words = 0;
-  if (scratch_words < kPackedGroups * group_stride) {
-    const size_t bytes = size_t(kPackedGroups * group_stride) * sizeof(uint32_t);
+  if (scratch_words < kPackedVectors * stride) {
+    const size_t bytes = size_t(kPackedVectors * stride) * sizeof(uint32_t);
     scratch.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
     if (scratch == nullptr) throw std::bad_alloc();
-    scratch_words = kPackedGroups * group_stride;
+    scratch_words = kPackedVectors * stride;
   }
   const bf16_t* x = static_cast<const bf16_t*>(p.hidden_states);
   int64_t token = 0;
   while (p.num_tokens - token >= kLaneMinTokens) {
-    // The packed groups, each one vector (16 tokens) or a pair of them, and how many tokens
-    // each group's tiles cover.
-    struct Group {
+    struct Packed {
+      int layout;
       int64_t token, tokens;
-      int vectors;
-    } groups[kPackedGroups];
-    int num_groups = 0, packed = 0;
-    int64_t next = token;
-    while (packed < kPackedGroups && p.num_tokens - next >= kLaneMinTokens) {
-      const int vectors =
-          p.num_tokens - next >= kTwoGroupMinTokens && packed + 2 <= kPackedGroups ? 2 : 1;
-      const int64_t tokens = std::min<int64_t>(vectors * kLaneTokens, p.num_tokens - next);
-      for (int v = 0; v < vectors; ++v) {
-        const int64_t first = next + v * kLaneTokens;
-        pack_tokens(x + first * p.hidden_row_stride, p.hidden_row_stride,
-                    std::min<int64_t>(kLaneTokens, p.num_tokens - first), p.hidden_size,
-                    scratch.get() + (packed + v) * group_stride);
-      }
-      groups[num_groups++] = {next, tokens, vectors};
-      packed += vectors;
-      next += tokens;
-    }
-    // One tile width for all groups, so each weight tile is loaded once for all of them.
-    const int experts = kLaneExperts[groups[0].vectors];
-    for (int64_t e = expert_begin; e < expert_end; e += experts) {
-      const int rows = int(std::min<int64_t>(experts, expert_end - e));
-      const uint32_t* group_packed = scratch.get();
-      for (int g = 0; g < num_groups; ++g) {
-        const int r = std::min(rows, kLaneExperts[groups[g].vectors]);
-        for (int done = 0; done < rows; done += r) {
-          const int n = std::min(r, rows - done);
-          const TileFn<Out> fn =
-              groups[g].vectors == 2 ? kTiles<Out, 2>.fn[n - 1] : kTiles<Out, 1>.fn[n - 1];
-          fn(p, e + done, group_packed, group_stride, groups[g].token, groups[g].tokens);
+      const uint32_t* vectors;
+    } packed[kPackedVectors];
+    int num_packed = 0, slots = 0;
+    for (;;) {
+      const int64_t left = p.num_tokens - token;
+      int layout = 0;
+      while (layout < 3 && left < kLayoutMinTokens[layout]) ++layout;
+      if (layout == 3 || slots + kLayouts[layout].vectors > kPackedVectors) break;
+      const Layout& l = kLayouts[layout];
+      const int64_t tokens = std::min<int64_t>(l.tokens(), left);
+      uint32_t* vectors = scratch.get() + slots * stride;
+      for (int v = 0; v < l.vectors; ++v) {
+        const int64_t first = token + v * l.tokens_per_vector();
+        const int64_t n = std::clamp<int64_t>(p.num_tokens - first, 0, l.tokens_per_vector());
+        const bf16_t* rows = x + first * p.hidden_row_stride;
+        if (l.pairs == 1) {
+          pack_tokens<1>(rows, p.hidden_row_stride, n, p.hidden_size, vectors + v * stride);
+        } else {
+          pack_tokens<2>(rows, p.hidden_row_stride, n, p.hidden_size, vectors + v * stride);
         }
-        group_packed += groups[g].vectors * group_stride;
+      }
+      packed[num_packed++] = {layout, token, tokens, vectors};
+      slots += l.vectors;
+      token += tokens;
+    }
+    for (int64_t e = expert_begin; e < expert_end; e += kLaneExperts) {
+      const int rows = int(std::min<int64_t>(kLaneExperts, expert_end - e));
+      for (int i = 0; i < num_packed; ++i) {
+        const Packed& b = packed[i];
+        tile_fn<Out>(b.layout, rows)(p, e, b.vectors, stride, b.token, b.tokens);
       }
     }
-    token = next;
   }
   return token;
 }
