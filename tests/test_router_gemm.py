@@ -80,12 +80,13 @@ def test_prefill_2048_tokens(device, hidden_size, num_experts):
 @pytest.mark.parametrize("num_tokens,hidden_size,num_experts", [
     (1, 1000, 7), (3, 7168, 9), (17, 33, 160), (5, 32, 4), (6, 31, 5), (2, 1, 3), (4, 0, 6),
     (9, 65, 0), (16, 2048, 13),
-    # Prefill batches, where avx512bf16 puts tokens in the vector lanes: each layout (8-token
-    # vectors by 2 and by 3, 16-token vectors by 2) with H % 4 of 1, 2, 0 and 3 and expert
+    # Batches where avx512bf16 puts tokens in the vector lanes: each layout (4-token vectors
+    # by 2 and by 3, 8-token vectors by 2 and by 3, 16-token vectors by 2; the shapes above
+    # with 5, 6 and 16 tokens take some too) with short last pair groups and expert
     # remainders, two layouts in one call, the register tiles for the last two tokens, H = 0
     # and 1.
-    (14, 1001, 19), (12, 66, 9), (23, 64, 11), (47, 999, 21), (34, 7168, 17), (14, 0, 5),
-    (16, 1, 3),
+    (8, 1001, 19), (10, 7168, 17), (11, 1003, 9), (14, 1001, 19), (12, 66, 9), (23, 64, 11),
+    (47, 999, 21), (34, 7168, 17), (14, 0, 5), (7, 1, 3),
 ])
 def test_every_cpu_path(device_isa, dtype, out_dtype, num_tokens, hidden_size, num_experts):
     """Tile edges (tokens and experts not multiples of the tile), every K tail, H = 0 and 1:

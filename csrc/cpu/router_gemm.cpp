@@ -5,8 +5,9 @@
 // The caller's expert range is walked one tile row at a time, and every token block reuses
 // those weight rows while they are in L1/L2, so each weight row comes from memory once per
 // call however many tokens there are. Each accumulator holds per-lane partial sums, reduced
-// once at the end (a few instructions per logit against H/32 dot steps). Prefill batches
-// of bf16 on avx512bf16 take another layout, tokens in the vector lanes (namespace lanes).
+// once at the end (a few instructions per logit against H/32 dot steps). Batches of 5 or
+// more bf16 tokens on avx512bf16 take another layout, tokens in the vector lanes (namespace
+// lanes).
 //
 // The per-ISA "Dot" types say how kStep consecutive elements of one token and one weight row
 // enter an accumulator:
@@ -329,37 +330,40 @@ inline constexpr TileTable<In, Out> kTiles{std::make_integer_sequence<
     int, TileShape<In>::kExperts * TileShape<In>::kTokens>{}};
 
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
-// Prefill batches, bf16 on avx512bf16: tokens in the vector lanes. The register tiles reload
-// their 4 token rows for every 6 weight rows; with several token blocks both operands stream
-// into L1 from L2 (10 lines per 24 dot products) and the tiles ran at 55-65% of the
-// vdpbf16ps peak (two per cycle on Zen 5). Here the activations are packed per call into the
-// thread's scratch (the weight is read as it is) so that a vector holds kPairs consecutive
-// bf16 pairs of each of 16 / kPairs tokens, and each weight's kPairs pairs are broadcast
-// from its nn.Linear row: one broadcast feeds every vector of tokens in the tile, one vector
-// of tokens feeds 8 experts, and each weight line serves 16 / kPairs steps. A lane sums its
-// pairs in order and a token's kPairs lanes are added at the end, so a token's logits depend
-// on the call only through the layout its batch size picks.
+// Batches of 5 or more bf16 tokens on avx512bf16: tokens in the vector lanes. The register
+// tiles reload their 4 token rows for every 6 weight rows; with several token blocks both
+// operands stream into L1 from L2 (10 lines per 24 dot products) and the tiles ran at 55-65%
+// of the vdpbf16ps peak (two per cycle on Zen 5). Here the activations are packed per call
+// into the thread's scratch (the weight is read as it is) so that a vector holds kPairs
+// consecutive bf16 pairs of each of 16 / kPairs tokens, and each weight's kPairs pairs are
+// broadcast from its nn.Linear row: one broadcast feeds every vector of tokens in the tile,
+// one vector of tokens feeds 8 experts, and each weight line serves 16 / kPairs steps. A lane
+// sums its pairs in order and a token's kPairs lanes are added at the end, so a token's
+// logits depend on the call only through the layout its batch size picks.
 namespace lanes {
 
-// The layouts, by how many tokens are left to route (measured at E = 256, H = 7168, against
-// the register tiles and each other, two threads):
-//   >= 25 tokens: 2 vectors of 16 tokens (1 pair each): 32 tokens per tile;
-//   17..24:       3 vectors of 8 tokens (2 pairs each): T = 20 0.96x, T = 24 0.77x the time
-//                 of two 16-token vectors, whose second vector is mostly empty there;
-//   11..16:       2 vectors of 8 tokens: T = 12 0.92x, 16 0.88x the register tiles' time
-//                 (a single 16-token vector gave 1.0x and 0.84-0.87x: one broadcast per dot
-//                 product instead of one per two);
-//   fewer:        the register tiles (T = 9 and 10 are level with them).
+// The layouts, by how many tokens are left to route (measured at E = 256 and 384, H = 7168,
+// two threads, against the register tiles and each other):
+//   >= 25 tokens: 2 vectors of 16 tokens (1 pair per lane): 32 tokens per tile;
+//   17..24:       3 vectors of 8 tokens (2 pairs): T = 24 0.77x the time of two 16-token
+//                 vectors, whose second vector is mostly empty there;
+//   13..16:       2 vectors of 8 tokens: T = 16 0.63-0.68x the register tiles' time (a
+//                 single 16-token vector: 0.71-0.78x, one broadcast per dot product);
+//   9..12:        3 vectors of 4 tokens (4 pairs): T = 9..12 0.81-0.85x the tiles;
+//   5..8:         2 vectors of 4 tokens: T = 5 0.93x, T = 6..8 0.85-0.87x;
+//   fewer:        the register tiles (2 vectors of 2 tokens, 8 pairs each, were 1.02-1.18x
+//                 their time at T = 2..4).
 // 8 experts per tile in every layout: 12 x 2, 6 x 4 and 16 x 1 tiles were slower.
 struct Layout {
-  int pairs;    // consecutive bf16 pairs of a token in one vector: 1 or 2
+  int pairs;    // consecutive bf16 pairs of a token in one vector: 1, 2, 4 or 8
   int vectors;  // vectors of tokens per tile
   constexpr int tokens_per_vector() const { return 16 / pairs; }
   constexpr int tokens() const { return vectors * tokens_per_vector(); }
 };
-constexpr Layout kLayouts[3] = {{1, 2}, {2, 3}, {2, 2}};
-constexpr int64_t kLayoutMinTokens[3] = {25, 17, 11};
-constexpr int64_t kLaneMinTokens = 11;
+constexpr int kNumLayouts = 5;
+constexpr Layout kLayouts[kNumLayouts] = {{1, 2}, {2, 3}, {2, 2}, {4, 3}, {4, 2}};
+constexpr int64_t kLayoutMinTokens[kNumLayouts] = {25, 17, 13, 9, 5};
+constexpr int64_t kLaneMinTokens = kLayoutMinTokens[kNumLayouts - 1];
 constexpr int kLaneExperts = 8;
 // Vector slots packed at a time (16, 3.6 MiB at H = 7168), so the weight is read from memory
 // once per call up to 256 tokens. With the weight in the LLC, as in the Python benchmark,
@@ -414,6 +418,25 @@ inline void transpose_qwords(__m512i (&v)[16]) {
   }
 }
 
+// 4 rows of 4 128-bit lanes (v[0..3]), transposed in place: v[j] gets lane j of every row.
+inline void transpose_lanes128(__m512i (&v)[16]) {
+  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44);
+  const __m512i t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xee);
+  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44);
+  const __m512i t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xee);
+  v[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+  v[1] = _mm512_shuffle_i32x4(t0, t2, 0xdd);
+  v[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+  v[3] = _mm512_shuffle_i32x4(t1, t3, 0xdd);
+}
+
+// 2 rows of 2 256-bit halves (v[0..1]), transposed in place.
+inline void transpose_halves(__m512i (&v)[16]) {
+  const __m512i low = _mm512_shuffle_i64x2(v[0], v[1], 0x44);
+  v[1] = _mm512_shuffle_i64x2(v[0], v[1], 0xee);
+  v[0] = low;
+}
+
 // The number of pair groups (kPairs consecutive pairs) a row of hidden_size elements spans.
 inline int64_t pair_groups(int64_t hidden_size, int pairs) {
   return (hidden_size + 2 * pairs - 1) / (2 * pairs);
@@ -436,8 +459,13 @@ void pack_tokens(const bf16_t* x, int64_t row_stride, int64_t n, int64_t hidden_
     }
     if constexpr (kPairs == 1) {
       transpose_dwords(v);
-    } else {
+    } else if constexpr (kPairs == 2) {
       transpose_qwords(v);
+    } else if constexpr (kPairs == 4) {
+      transpose_lanes128(v);
+    } else {
+      static_assert(kPairs == 8, "a lane group is 1, 2, 4 or 8 pairs");
+      transpose_halves(v);
     }
     const int64_t group = h / (2 * kPairs);
     const int count = int(std::min<int64_t>(kRows, groups - group));
@@ -450,7 +478,6 @@ void pack_tokens(const bf16_t* x, int64_t row_stride, int64_t n, int64_t hidden_
 template <typename Out, int kPairs, int V, int R>
 void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed, int64_t stride,
           int64_t token, int64_t tokens) {
-  using Bits = std::conditional_t<kPairs == 1, int32_t, long long>;
   constexpr int kRows = 16 / kPairs;
   const int64_t H = p.hidden_size;
   const bf16_t* w = static_cast<const bf16_t*>(p.weight) + expert * p.weight_row_stride;
@@ -464,14 +491,24 @@ void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed, int
       xv[v] = __m512bh(_mm512_load_si512(packed + v * stride + group * 16));
     }
     for (int r = 0; r < R; ++r) {
-      Bits bits = 0;  // a short last group reads only its elements; the rest stay zero
-      std::memcpy(&bits, w + r * p.weight_row_stride + group * 2 * kPairs,
-                  size_t(elements) * sizeof(bf16_t));
+      const bf16_t* src = w + r * p.weight_row_stride + group * 2 * kPairs;
+      // A short last group reads only its elements; the rest stay zero.
+      alignas(32) bf16_t bits[2 * kPairs] = {};
+      std::memcpy(bits, src, size_t(elements) * sizeof(bf16_t));
       __m512bh wv;
       if constexpr (kPairs == 1) {
-        wv = __m512bh(_mm512_set1_epi32(bits));
+        int32_t b;
+        std::memcpy(&b, bits, sizeof(b));
+        wv = __m512bh(_mm512_set1_epi32(b));
+      } else if constexpr (kPairs == 2) {
+        long long b;
+        std::memcpy(&b, bits, sizeof(b));
+        wv = __m512bh(_mm512_set1_epi64(b));
+      } else if constexpr (kPairs == 4) {
+        wv = __m512bh(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<__m128i*>(bits))));
       } else {
-        wv = __m512bh(_mm512_set1_epi64(bits));
+        wv = __m512bh(
+            _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<__m256i*>(bits))));
       }
       for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbf16_ps(acc[v][r], xv[v], wv);
     }
@@ -511,16 +548,23 @@ struct TileTable {
 template <typename Out, int L>
 inline constexpr TileTable<Out, L> kTiles{std::make_integer_sequence<int, kLaneExperts>{}};
 
+template <typename Out, int... L>
+TileFn<Out> tile_fn(int layout, int rows, std::integer_sequence<int, L...>) {
+  TileFn<Out> fn = nullptr;
+  ((fn = layout == L ? kTiles<Out, L>.fn[rows - 1] : fn), ...);
+  return fn;
+}
 template <typename Out>
 TileFn<Out> tile_fn(int layout, int rows) {
-  switch (layout) {
-    case 0:
-      return kTiles<Out, 0>.fn[rows - 1];
-    case 1:
-      return kTiles<Out, 1>.fn[rows - 1];
-    default:
-      return kTiles<Out, 2>.fn[rows - 1];
-  }
+  return tile_fn<Out>(layout, rows, std::make_integer_sequence<int, kNumLayouts>{});
+}
+
+template <int... L>
+void pack_layout(int layout, const bf16_t* rows, int64_t row_stride, int64_t n,
+                 int64_t hidden_size, uint32_t* packed, std::integer_sequence<int, L...>) {
+  ((layout == L ? pack_tokens<kLayouts[L].pairs>(rows, row_stride, n, hidden_size, packed)
+                : void()),
+   ...);
 }
 
 // Packs up to kPackedVectors vectors of tokens at a time and returns how many leading tokens
@@ -552,8 +596,8 @@ int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end)
     for (;;) {
       const int64_t left = p.num_tokens - token;
       int layout = 0;
-      while (layout < 3 && left < kLayoutMinTokens[layout]) ++layout;
-      if (layout == 3 || slots + kLayouts[layout].vectors > kPackedVectors) break;
+      while (layout < kNumLayouts && left < kLayoutMinTokens[layout]) ++layout;
+      if (layout == kNumLayouts || slots + kLayouts[layout].vectors > kPackedVectors) break;
       const Layout& l = kLayouts[layout];
       const int64_t tokens = std::min<int64_t>(l.tokens(), left);
       uint32_t* vectors = scratch.get() + slots * stride;
@@ -561,11 +605,8 @@ int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end)
         const int64_t first = token + v * l.tokens_per_vector();
         const int64_t n = std::clamp<int64_t>(p.num_tokens - first, 0, l.tokens_per_vector());
         const bf16_t* rows = x + first * p.hidden_row_stride;
-        if (l.pairs == 1) {
-          pack_tokens<1>(rows, p.hidden_row_stride, n, p.hidden_size, vectors + v * stride);
-        } else {
-          pack_tokens<2>(rows, p.hidden_row_stride, n, p.hidden_size, vectors + v * stride);
-        }
+        pack_layout(layout, rows, p.hidden_row_stride, n, p.hidden_size, vectors + v * stride,
+                    std::make_integer_sequence<int, kNumLayouts>{});
       }
       packed[num_packed++] = {layout, token, tokens, vectors};
       slots += l.vectors;
