@@ -366,9 +366,10 @@ constexpr int64_t kLayoutMinTokens[kNumLayouts] = {25, 17, 13, 9, 5};
 constexpr int64_t kLaneMinTokens = kLayoutMinTokens[kNumLayouts - 1];
 constexpr int kLaneExperts = 8;
 // Vector slots packed at a time (16, 3.6 MiB at H = 7168), so the weight is read from memory
-// once per call up to 256 tokens. With the weight in the LLC, as in the Python benchmark,
-// packing 2 at a time is 5-8% faster at T = 64..256; with a gate from DRAM, as in a model,
-// that would read it 8 times at T = 256.
+// once per call up to 224 tokens (256 for most sizes: a last group of 17..24 tokens takes
+// three slots). With the weight in the LLC, as in the Python benchmark, packing 2 at a time
+// is 5-8% faster at T = 64..256; with a gate from DRAM, as in a model, that would read it 8
+// times at T = 256.
 constexpr int kPackedVectors = 16;
 
 // 16 rows of 16 dwords, transposed in place: v[j] gets dword j of every row.
