@@ -568,6 +568,20 @@ void pack_layout(int layout, const bf16_t* rows, int64_t row_stride, int64_t n,
    ...);
 }
 
+// The calling thread's packing scratch, 64-byte aligned, of at least `words` dwords: grown,
+// never shrunk, and shared by both output dtypes.
+inline uint32_t* thread_scratch(int64_t words) {
+  thread_local std::unique_ptr<uint32_t, void (*)(void*)> scratch{nullptr, std::free};
+  thread_local int64_t capacity = 0;
+  if (capacity < words) {
+    const size_t bytes = size_t(words) * sizeof(uint32_t);
+    scratch.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
+    if (scratch == nullptr) throw std::bad_alloc();
+    capacity = words;
+  }
+  return scratch.get();
+}
+
 // Packs up to kPackedVectors vectors of tokens at a time and returns how many leading tokens
 // it did; the fewer than kLaneMinTokens left after them are the register tiles' work. Each
 // tile of weight rows serves every packed token while it is in L1/L2.
@@ -576,15 +590,7 @@ int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end)
   if (p.num_tokens < kLaneMinTokens) return 0;
   // A vector slot holds any layout: one pair per lane spans the most groups.
   const int64_t stride = pair_groups(p.hidden_size, 1) * 16;
-  // Grown, never shrunk: kPackedVectors slots of the largest H the thread has seen.
-  thread_local std::unique_ptr<uint32_t, void (*)(void*)> scratch{nullptr, std::free};
-  thread_local int64_t scratch_words = 0;
-  if (scratch_words < kPackedVectors * stride) {
-    const size_t bytes = size_t(kPackedVectors * stride) * sizeof(uint32_t);
-    scratch.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
-    if (scratch == nullptr) throw std::bad_alloc();
-    scratch_words = kPackedVectors * stride;
-  }
+  uint32_t* const scratch = thread_scratch(kPackedVectors * stride);
   const bf16_t* x = static_cast<const bf16_t*>(p.hidden_states);
   int64_t token = 0;
   while (p.num_tokens - token >= kLaneMinTokens) {
@@ -601,7 +607,7 @@ int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end)
       if (layout == kNumLayouts || slots + kLayouts[layout].vectors > kPackedVectors) break;
       const Layout& l = kLayouts[layout];
       const int64_t tokens = std::min<int64_t>(l.tokens(), left);
-      uint32_t* vectors = scratch.get() + slots * stride;
+      uint32_t* vectors = scratch + slots * stride;
       for (int v = 0; v < l.vectors; ++v) {
         const int64_t first = token + v * l.tokens_per_vector();
         const int64_t n = std::clamp<int64_t>(p.num_tokens - first, 0, l.tokens_per_vector());
