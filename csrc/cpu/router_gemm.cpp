@@ -355,7 +355,7 @@ namespace lanes {
 //                 their time at T = 2..4).
 // 8 experts per tile in every layout: 12 x 2, 6 x 4 and 16 x 1 tiles were slower.
 struct Layout {
-  int pairs;    // consecutive bf16 pairs of a token in one vector: 1, 2, 4 or 8
+  int pairs;    // consecutive bf16 pairs of a token in one vector: 1, 2 or 4
   int vectors;  // vectors of tokens per tile
   constexpr int tokens_per_vector() const { return 16 / pairs; }
   constexpr int tokens() const { return vectors * tokens_per_vector(); }
@@ -372,6 +372,24 @@ constexpr int kLaneExperts = 8;
 // times at T = 256.
 constexpr int kPackedVectors = 16;
 
+// The 128-bit-lane half of a transpose: 4 * S vectors in which vector g * S + c holds, in
+// 128-bit lane l, column l * S + c of row block g, become vector j holding column j of
+// every row block in order. S = 1 is the 4 x 4 transpose of 128-bit lanes.
+template <int S>
+inline void transpose_lane_blocks(__m512i (&v)[16]) {
+  __m512i t[4 * S];
+  for (int c = 0; c < S; ++c) {
+    t[c] = _mm512_shuffle_i32x4(v[c], v[S + c], 0x88);
+    t[S + c] = _mm512_shuffle_i32x4(v[c], v[S + c], 0xdd);
+    t[2 * S + c] = _mm512_shuffle_i32x4(v[2 * S + c], v[3 * S + c], 0x88);
+    t[3 * S + c] = _mm512_shuffle_i32x4(v[2 * S + c], v[3 * S + c], 0xdd);
+  }
+  for (int c = 0; c < 2 * S; ++c) {
+    v[c] = _mm512_shuffle_i32x4(t[c], t[2 * S + c], 0x88);
+    v[2 * S + c] = _mm512_shuffle_i32x4(t[c], t[2 * S + c], 0xdd);
+  }
+}
+
 // 16 rows of 16 dwords, transposed in place: v[j] gets dword j of every row.
 inline void transpose_dwords(__m512i (&v)[16]) {
   __m512i t[16];
@@ -386,56 +404,18 @@ inline void transpose_dwords(__m512i (&v)[16]) {
     v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
   // v[4q + c] now holds, in 128-bit lane l, dword 4l + c of rows 4q..4q+3.
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xdd);
-    t[8 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xdd);
-  }
-  for (int c = 0; c < 8; ++c) {
-    v[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
-    v[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
-  }
+  transpose_lane_blocks<4>(v);
 }
 
 // 8 rows of 8 qwords (v[0..7]), transposed in place: v[j] gets qword j of every row.
 inline void transpose_qwords(__m512i (&v)[16]) {
-  __m512i t[8];
   for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm512_unpacklo_epi64(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi64(v[i], v[i + 1]);
+    const __m512i low = _mm512_unpacklo_epi64(v[i], v[i + 1]);
+    v[i + 1] = _mm512_unpackhi_epi64(v[i], v[i + 1]);
+    v[i] = low;
   }
-  // t[2a + c] now holds, in 128-bit lane l, qword 2l + c of rows 2a and 2a + 1.
-  __m512i u[8];
-  for (int c = 0; c < 2; ++c) {
-    u[c] = _mm512_shuffle_i64x2(t[c], t[2 + c], 0x88);
-    u[2 + c] = _mm512_shuffle_i64x2(t[c], t[2 + c], 0xdd);
-    u[4 + c] = _mm512_shuffle_i64x2(t[4 + c], t[6 + c], 0x88);
-    u[6 + c] = _mm512_shuffle_i64x2(t[4 + c], t[6 + c], 0xdd);
-  }
-  for (int c = 0; c < 4; ++c) {
-    v[c] = _mm512_shuffle_i64x2(u[c], u[4 + c], 0x88);
-    v[4 + c] = _mm512_shuffle_i64x2(u[c], u[4 + c], 0xdd);
-  }
-}
-
-// 4 rows of 4 128-bit lanes (v[0..3]), transposed in place: v[j] gets lane j of every row.
-inline void transpose_lanes128(__m512i (&v)[16]) {
-  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44);
-  const __m512i t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xee);
-  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44);
-  const __m512i t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xee);
-  v[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
-  v[1] = _mm512_shuffle_i32x4(t0, t2, 0xdd);
-  v[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
-  v[3] = _mm512_shuffle_i32x4(t1, t3, 0xdd);
-}
-
-// 2 rows of 2 256-bit halves (v[0..1]), transposed in place.
-inline void transpose_halves(__m512i (&v)[16]) {
-  const __m512i low = _mm512_shuffle_i64x2(v[0], v[1], 0x44);
-  v[1] = _mm512_shuffle_i64x2(v[0], v[1], 0xee);
-  v[0] = low;
+  // v[2a + c] now holds, in 128-bit lane l, qword 2l + c of rows 2a and 2a + 1.
+  transpose_lane_blocks<2>(v);
 }
 
 // The number of pair groups (kPairs consecutive pairs) a row of hidden_size elements spans.
@@ -462,11 +442,9 @@ void pack_tokens(const bf16_t* x, int64_t row_stride, int64_t n, int64_t hidden_
       transpose_dwords(v);
     } else if constexpr (kPairs == 2) {
       transpose_qwords(v);
-    } else if constexpr (kPairs == 4) {
-      transpose_lanes128(v);
     } else {
-      static_assert(kPairs == 8, "a lane group is 1, 2, 4 or 8 pairs");
-      transpose_halves(v);
+      static_assert(kPairs == 4, "a lane group is 1, 2 or 4 pairs");
+      transpose_lane_blocks<1>(v);
     }
     const int64_t group = h / (2 * kPairs);
     const int count = int(std::min<int64_t>(kRows, groups - group));
@@ -494,7 +472,7 @@ void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed, int
     for (int r = 0; r < R; ++r) {
       const bf16_t* src = w + r * p.weight_row_stride + group * 2 * kPairs;
       // A short last group reads only its elements; the rest stay zero.
-      alignas(32) bf16_t bits[2 * kPairs] = {};
+      alignas(16) bf16_t bits[2 * kPairs] = {};
       std::memcpy(bits, src, size_t(elements) * sizeof(bf16_t));
       __m512bh wv;
       if constexpr (kPairs == 1) {
@@ -505,11 +483,8 @@ void tile(const RouterGemmParams& p, int64_t expert, const uint32_t* packed, int
         long long b;
         std::memcpy(&b, bits, sizeof(b));
         wv = __m512bh(_mm512_set1_epi64(b));
-      } else if constexpr (kPairs == 4) {
-        wv = __m512bh(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<__m128i*>(bits))));
       } else {
-        wv = __m512bh(
-            _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<__m256i*>(bits))));
+        wv = __m512bh(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<__m128i*>(bits))));
       }
       for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbf16_ps(acc[v][r], xv[v], wv);
     }
