@@ -535,14 +535,6 @@ TileFn<Out> tile_fn(int layout, int rows) {
   return tile_fn<Out>(layout, rows, std::make_integer_sequence<int, kNumLayouts>{});
 }
 
-template <int... L>
-void pack_layout(int layout, const bf16_t* rows, int64_t row_stride, int64_t n,
-                 int64_t hidden_size, uint32_t* packed, std::integer_sequence<int, L...>) {
-  ((layout == L ? pack_tokens<kLayouts[L].pairs>(rows, row_stride, n, hidden_size, packed)
-                : void()),
-   ...);
-}
-
 // The calling thread's packing scratch, 64-byte aligned, of at least `words` dwords: grown,
 // never shrunk, and shared by both output dtypes.
 inline uint32_t* thread_scratch(int64_t words) {
@@ -587,8 +579,18 @@ int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end)
         const int64_t first = token + v * l.tokens_per_vector();
         const int64_t n = std::clamp<int64_t>(p.num_tokens - first, 0, l.tokens_per_vector());
         const bf16_t* rows = x + first * p.hidden_row_stride;
-        pack_layout(layout, rows, p.hidden_row_stride, n, p.hidden_size, vectors + v * stride,
-                    std::make_integer_sequence<int, kNumLayouts>{});
+        uint32_t* const out = vectors + v * stride;
+        switch (l.pairs) {
+          case 1:
+            pack_tokens<1>(rows, p.hidden_row_stride, n, p.hidden_size, out);
+            break;
+          case 2:
+            pack_tokens<2>(rows, p.hidden_row_stride, n, p.hidden_size, out);
+            break;
+          default:
+            pack_tokens<4>(rows, p.hidden_row_stride, n, p.hidden_size, out);
+            break;
+        }
       }
       packed[num_packed++] = {layout, token, tokens, vectors};
       slots += l.vectors;
