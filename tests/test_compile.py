@@ -147,6 +147,9 @@ def test_opcheck_router_gemm(device, num_tokens, out_dtype):
     torch.library.opcheck(torch.ops.moeext.router_gemm.default, (hidden, weight, out_dtype))
     torch.library.opcheck(torch.ops.moeext.router_gemm.default,
                           (hidden.float(), weight.float()))
+    if hidden.device.type == "cpu":
+        torch.library.opcheck(torch.ops.moeext.router_gemm.default,
+                              (hidden, moeext.prepack_router_weight(weight.cpu()), out_dtype))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -171,3 +174,18 @@ def test_compile_router_gemm_then_routing(device, out_dtype):
         assert torch.equal(got[2], expected[2])
         assert torch.equal(got[1], expected[1])
         torch.testing.assert_close(got[0], expected[0])
+
+
+def test_compile_router_gemm_with_a_prepacked_weight():
+    """A prepacked weight (CPU) traces like the nn.Linear layout: output [T, E], dynamic T."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    weight = (0.02 * torch.randn(70, 513, generator=g)).bfloat16()
+    packed = moeext.prepack_router_weight(weight)
+    compiled = torch.compile(lambda h: moeext.router_gemm(h, packed), fullgraph=True,
+                             dynamic=True)
+    for num_tokens in (3, 17, 1):
+        hidden = torch.randn(num_tokens, 513, generator=g).bfloat16()
+        got = compiled(hidden)
+        assert got.shape == (num_tokens, 70) and got.dtype == torch.float32
+        assert torch.equal(got, moeext.router_gemm(hidden, packed))

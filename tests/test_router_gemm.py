@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import moeext
+from conftest import GPU_DEVICES
 from moeext import reference
 
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -159,11 +160,14 @@ def test_non_finite_inputs_propagate(device_isa):
     torch.testing.assert_close(got[finite], exact[finite], rtol=1e-5, atol=1e-5)
 
 
-def test_result_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("prepacked", [False, True], ids=["nn_linear", "prepacked"])
+def test_result_does_not_depend_on_the_thread_count(prepacked):
     """Threads split the experts, never H: each logit is summed in one fixed order.
 
     CPU only: it is about torch's CPU thread pool."""
-    hidden, weight = make_inputs(5, 7168, 256)
+    hidden, weight = make_inputs(9 if prepacked else 5, 7168, 384 if prepacked else 256)
+    if prepacked:
+        weight = moeext.prepack_router_weight(weight)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -188,8 +192,9 @@ def test_reference_is_the_exact_product_rounded_once():
 ERROR_CASES = [
     (lambda d: (torch.randn(4, device=d), torch.randn(3, 4, device=d), None),
      r"router_gemm: hidden_states must be 2-D \[num_tokens, hidden_size\], got shape \[4\]"),
-    (lambda d: (torch.randn(2, 4, device=d), torch.randn(3, 4, 1, device=d), None),
-     r"router_gemm: weight must be 2-D \[num_experts, hidden_size\], got shape \[3, 4, 1\]"),
+    (lambda d: (torch.randn(2, 4, device=d), torch.randn(3, 4, 1, 1, device=d), None),
+     r"router_gemm: weight must be 2-D \[num_experts, hidden_size\] \(or prepacked, 3-D "
+     r"\[ceil\(hidden_size / 2\), num_experts, 2\]\), got shape \[3, 4, 1, 1\]"),
     (lambda d: (torch.randn(2, 4, device=d).double(), torch.randn(3, 4, device=d).double(), None),
      r"router_gemm: hidden_states must be float32, bfloat16 or float16, got Double"),
     (lambda d: (torch.randn(2, 4, device=d).bfloat16(), torch.randn(3, 4, device=d), None),
@@ -227,3 +232,148 @@ def test_fake_rejects_what_the_kernel_rejects(make_args, message):
     prefix = message.split(", got")[0].split(r" \(")[0]
     with pytest.raises(RuntimeError, match=prefix):
         moeext.router_gemm(hidden.to("meta"), weight.to("meta"), out_dtype)
+
+
+# Prepacked weights (moeext.prepack_router_weight): a CPU layout.
+# (T, H, E): decode sizes in one pass; more tokens than a register tile, so that k is walked
+# in passes of 256 pairs (H > 512) with partial logits in between, the last pass sometimes
+# only an odd H's half pair (H = 513); 300 tokens, two sweeps of 256; tiles of 64 experts
+# with a narrow last one (65, 70, 129, 160, 7) and partial vectors; H = 0, 1 and odd.
+PACKED_SHAPES = [
+    (1, 7168, 256), (4, 7168, 384), (3, 1000, 160), (17, 4096, 7), (5, 1001, 65),
+    (100, 513, 64), (9, 1, 3), (4, 0, 6), (0, 64, 5), (2, 31, 129), (300, 66, 70),
+]
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,hidden_size,num_experts", PACKED_SHAPES)
+def test_prepacked_weight_on_every_cpu_path(cpu_isa, out_dtype, num_tokens, hidden_size,
+                                            num_experts):
+    hidden, weight = make_inputs(num_tokens, hidden_size, num_experts,
+                                 seed=num_tokens + hidden_size)
+    packed = moeext.prepack_router_weight(weight)
+    got = moeext.router_gemm(hidden, packed, out_dtype)
+    assert_close_to_reference(got, hidden, weight, out_dtype)
+    assert torch.equal(reference.router_gemm(hidden, packed, out_dtype),
+                       reference.router_gemm(hidden, weight, out_dtype))
+    if out_dtype is None:
+        bf16 = moeext.router_gemm(hidden, packed, torch.bfloat16)
+        assert torch.equal(bf16, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("hidden_size,num_experts", [(3, 65), (4, 64), (1, 1), (0, 3), (7, 130)])
+def test_prepacked_layout_is_the_documented_one(hidden_size, num_experts):
+    """Element (k, e, j) of expert e's pair k, in its tile of 64, at the documented place."""
+    weight = torch.arange(num_experts * hidden_size, dtype=torch.float32)
+    weight = weight.reshape(num_experts, hidden_size).bfloat16()
+    packed = moeext.prepack_router_weight(weight)
+    pairs = (hidden_size + 1) // 2
+    assert packed.shape == (pairs, num_experts, 2) and packed.dtype == torch.bfloat16
+    assert packed.is_contiguous()
+    flat = packed.reshape(-1)
+    for e in range(num_experts):
+        first = e // 64 * 64
+        width = min(64, num_experts - first)
+        for h in range(2 * pairs):
+            at = first * pairs * 2 + (h // 2 * width + e - first) * 2 + h % 2
+            expected = weight[e, h] if h < hidden_size else 0.0
+            assert float(flat[at]) == float(expected), (e, h)
+    assert torch.equal(reference.unpack_router_weight(packed, hidden_size), weight)
+
+
+def test_prepack_reads_any_strides():
+    _, weight = make_inputs(1, 1001, 70)
+    wide = torch.full((70, 1100), float("nan"), dtype=torch.bfloat16)
+    wide[:, :1001] = weight
+    assert torch.equal(moeext.prepack_router_weight(wide[:, :1001]),
+                       moeext.prepack_router_weight(weight))
+    assert torch.equal(moeext.prepack_router_weight(weight.T.contiguous().T),
+                       moeext.prepack_router_weight(weight))
+
+
+def test_prepacked_strided_rows_read_nothing_outside_the_view(cpu_isa):
+    """An odd H's half pair must not read the element past the row (NaN here)."""
+    hidden, weight = make_inputs(13, 1001, 9)
+    hidden_buf = torch.full((26, 1040), float("nan"), dtype=torch.bfloat16)
+    hidden_buf[::2, :1001] = hidden
+    got = moeext.router_gemm(hidden_buf[::2, :1001], moeext.prepack_router_weight(weight))
+    assert_close_to_reference(got, hidden, weight)
+
+
+def test_prepacked_non_finite_inputs_propagate(cpu_isa):
+    """Infinities and NaN reach exactly the logits they reach in the exact product; the
+    zero lanes past the last expert of a tile meet them too, and are never written."""
+    hidden, weight = make_inputs(6, 101, 10)
+    hidden[1, 50] = float("nan")
+    hidden[3, 100] = float("inf")  # the odd H's half pair
+    weight[7, 0] = float("inf")
+    got = moeext.router_gemm(hidden, moeext.prepack_router_weight(weight))
+    exact = reference.router_gemm(hidden, weight)
+    assert torch.equal(torch.isnan(got), torch.isnan(exact))
+    assert torch.equal(torch.isinf(got), torch.isinf(exact))
+    finite = torch.isfinite(exact)
+    torch.testing.assert_close(got[finite], exact[finite], rtol=1e-5, atol=1e-5)
+
+
+def _packed(num_experts, hidden_size):
+    return moeext.prepack_router_weight(torch.randn(num_experts, hidden_size).bfloat16())
+
+
+PACKED_ERROR_CASES = [
+    (lambda: (torch.randn(2, 4), torch.randn(2, 3, 2), None),
+     r"router_gemm: a prepacked weight and hidden_states must both be bfloat16, got weight "
+     r"Float and hidden_states Float"),
+    (lambda: (torch.randn(2, 4).half(), _packed(3, 4), None),
+     r"router_gemm: a prepacked weight and hidden_states must both be bfloat16, got weight "
+     r"BFloat16 and hidden_states Half"),
+    (lambda: (torch.randn(2, 5).bfloat16(), _packed(3, 4), None),
+     r"router_gemm: a prepacked weight must have shape \[3, num_experts, 2\] "
+     r"\(ceil\(hidden_size / 2\) for the hidden_size 5 of hidden_states\), got \[2, 3, 2\]"),
+    (lambda: (torch.randn(2, 4).bfloat16(), torch.randn(2, 3, 1).bfloat16(), None),
+     r"router_gemm: a prepacked weight must have shape \[2, num_experts, 2\]"),
+    (lambda: (torch.randn(2, 4).bfloat16(), _packed(6, 4)[:, ::2], None),
+     r"router_gemm: a prepacked weight must be contiguous, as moeext.prepack_router_weight "
+     r"returns it"),
+    (lambda: (torch.randn(2, 4).bfloat16(), _packed(3, 4), torch.float16),
+     r"router_gemm: out_dtype must be float32 or bfloat16"),
+]
+
+
+@pytest.mark.parametrize("make_args,message", PACKED_ERROR_CASES)
+def test_prepacked_errors_name_the_argument(make_args, message):
+    with pytest.raises(RuntimeError, match=message):
+        moeext.router_gemm(*make_args())
+
+
+@pytest.mark.parametrize("make_args,message",
+                         [c for c in PACKED_ERROR_CASES if "contiguous" not in c[1]])
+def test_fake_rejects_the_prepacked_weights_the_kernel_rejects(make_args, message):
+    hidden, weight, out_dtype = make_args()
+    prefix = message.split(", got")[0].split(r" \(")[0]
+    with pytest.raises(RuntimeError, match=prefix):
+        moeext.router_gemm(hidden.to("meta"), weight.to("meta"), out_dtype)
+
+
+@pytest.mark.parametrize("weight,message", [
+    (torch.randn(3, 4), r"prepack_router_weight: weight must be bfloat16 \(the layout feeds "
+     r"bf16 dot products\), got torch.float32"),
+    (torch.randn(3, 4, 2).bfloat16(),
+     r"prepack_router_weight: weight must be 2-D \[num_experts, hidden_size\], got shape "
+     r"\[3, 4, 2\]"),
+    (torch.randn(3, 4).bfloat16().to("meta"),
+     r"prepack_router_weight: the prepacked layout is read by the CPU kernels only; weight is "
+     r"on meta"),
+    ([[1.0]], r"prepack_router_weight: weight must be a torch.Tensor, got list"),
+])
+def test_prepack_errors_name_the_argument(weight, message):
+    with pytest.raises(ValueError, match=message):
+        moeext.prepack_router_weight(weight)
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+def test_gpu_rejects_a_prepacked_weight(device):
+    hidden = torch.randn(2, 4, device=device).bfloat16()
+    packed = _packed(3, 4).to(device)
+    with pytest.raises(RuntimeError, match=r"router_gemm: a prepacked weight "
+                       r"\(moeext.prepack_router_weight\) is a CPU layout"):
+        moeext.router_gemm(hidden, packed)

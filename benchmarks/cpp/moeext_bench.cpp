@@ -273,52 +273,76 @@ struct GemmData {
   std::vector<float> logits;
 };
 
+// The prepacked layout of moeext.prepack_router_weight (see RouterGemmParams): experts in
+// tiles of kRouterPackTile, each tile [H / 2][width][2] (H even here).
+std::vector<uint16_t> prepack(const std::vector<uint16_t>& w, int64_t experts, int64_t hidden) {
+  std::vector<uint16_t> packed(w.size());
+  const int64_t pairs = hidden / 2;
+  for (int64_t first = 0; first < experts; first += moeext::kRouterPackTile) {
+    const int64_t width = std::min(moeext::kRouterPackTile, experts - first);
+    uint16_t* tile = packed.data() + first * hidden;
+    for (int64_t k = 0; k < pairs; ++k) {
+      for (int64_t e = 0; e < width; ++e) {
+        tile[(k * width + e) * 2] = w[size_t((first + e) * hidden + 2 * k)];
+        tile[(k * width + e) * 2 + 1] = w[size_t((first + e) * hidden + 2 * k + 1)];
+      }
+    }
+  }
+  return packed;
+}
+
 void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
   const int64_t hidden = 7168;
   const std::vector<int64_t> tokens =
       opt.quick ? std::vector<int64_t>{1, 16} : std::vector<int64_t>{1, 4, 16, 64, 256};
-  for (int64_t experts : {int64_t(256), int64_t(384)}) {
-    for (int64_t t : tokens) {
-      auto data = std::make_shared<GemmData>();
-      const double weight_bytes = double(experts * hidden * 2);
-      // The weight is what streams from memory; rotate it so T = 1 reads DRAM, not the LLC.
-      const int rot = rotations_for(weight_bytes);
-      std::mt19937 gen(uint32_t(experts + t));
-      std::normal_distribution<float> normal;
-      data->weights.resize(size_t(rot));
-      for (auto& w : data->weights) {
-        w.resize(size_t(experts * hidden));
-        for (auto& v : w) v = to_bf16(0.02f * normal(gen));
-      }
-      data->hidden.resize(size_t(t * hidden));
-      for (auto& v : data->hidden) v = to_bf16(normal(gen));
-      data->logits.resize(size_t(t * experts));
-      moeext::RouterGemmParams p;
-      p.hidden_states = data->hidden.data();
-      p.hidden_row_stride = hidden;
-      p.weight_row_stride = hidden;
-      p.logits = data->logits.data();
-      p.logits_row_stride = experts;
-      p.num_tokens = t;
-      p.hidden_size = hidden;
-      p.num_experts = experts;
-      const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
-      cases.push_back({"router_gemm",
-                       "E=" + std::to_string(experts) + " H=7168 T=" + std::to_string(t), bytes,
-                       rot, [data, p](int i) mutable {
-                         p.weight = data->weights[size_t(i)].data();
-                         // Split the experts over the threads as the binding does.
-                         const int64_t block = moeext::router_gemm_expert_block();
-                         const int64_t blocks = (p.num_experts + block - 1) / block;
-                         const int64_t threads = omp_get_max_threads();
-                         const int64_t per = (blocks + threads - 1) / threads * block;
+  for (const bool prepacked : {false, true}) {
+    for (int64_t experts : {int64_t(256), int64_t(384)}) {
+      for (int64_t t : tokens) {
+        auto data = std::make_shared<GemmData>();
+        const double weight_bytes = double(experts * hidden * 2);
+        // The weight is what streams from memory; rotate it so T = 1 reads DRAM, not the LLC.
+        const int rot = rotations_for(weight_bytes);
+        std::mt19937 gen(uint32_t(experts + t));
+        std::normal_distribution<float> normal;
+        data->weights.resize(size_t(rot));
+        for (auto& w : data->weights) {
+          w.resize(size_t(experts * hidden));
+          for (auto& v : w) v = to_bf16(0.02f * normal(gen));
+          if (prepacked) w = prepack(w, experts, hidden);
+        }
+        data->hidden.resize(size_t(t * hidden));
+        for (auto& v : data->hidden) v = to_bf16(normal(gen));
+        data->logits.resize(size_t(t * experts));
+        moeext::RouterGemmParams p;
+        p.hidden_states = data->hidden.data();
+        p.hidden_row_stride = hidden;
+        p.weight_row_stride = prepacked ? 0 : hidden;
+        p.weight_prepacked = prepacked;
+        p.logits = data->logits.data();
+        p.logits_row_stride = experts;
+        p.num_tokens = t;
+        p.hidden_size = hidden;
+        p.num_experts = experts;
+        const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
+        cases.push_back(
+            {prepacked ? "router_gemm prepacked" : "router_gemm",
+             "E=" + std::to_string(experts) + " H=7168 T=" + std::to_string(t), bytes, rot,
+             [data, p](int i) mutable {
+               p.weight = data->weights[size_t(i)].data();
+               // Split the experts over the threads as the binding does.
+               const int64_t block = p.weight_prepacked ? moeext::kRouterPackTile
+                                                        : moeext::router_gemm_expert_block();
+               const int64_t blocks = (p.num_experts + block - 1) / block;
+               const int64_t threads = omp_get_max_threads();
+               const int64_t per = (blocks + threads - 1) / threads * block;
 #pragma omp parallel for schedule(static)
-                         for (int64_t c = 0; c < threads; ++c) {
-                           const int64_t begin = c * per;
-                           const int64_t end = std::min(p.num_experts, begin + per);
-                           if (begin < end) moeext::router_gemm_cpu(p, begin, end);
-                         }
-                       }});
+               for (int64_t c = 0; c < threads; ++c) {
+                 const int64_t begin = c * per;
+                 const int64_t end = std::min(p.num_experts, begin + per);
+                 if (begin < end) moeext::router_gemm_cpu(p, begin, end);
+               }
+             }});
+      }
     }
   }
 }

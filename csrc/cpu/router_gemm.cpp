@@ -329,6 +329,21 @@ template <typename In, typename Out>
 inline constexpr TileTable<In, Out> kTiles{std::make_integer_sequence<
     int, TileShape<In>::kExperts * TileShape<In>::kTokens>{}};
 
+// The calling thread's scratch, 64-byte aligned, of at least `words` dwords: grown, never
+// shrunk, and shared by both output dtypes and both users (the token packing of namespace
+// lanes, the partial sums of namespace packed).
+inline uint32_t* thread_scratch(int64_t words) {
+  thread_local std::unique_ptr<uint32_t, void (*)(void*)> scratch{nullptr, std::free};
+  thread_local int64_t capacity = 0;
+  if (capacity < words) {
+    const size_t bytes = size_t(words) * sizeof(uint32_t);
+    scratch.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
+    if (scratch == nullptr) throw std::bad_alloc();
+    capacity = words;
+  }
+  return scratch.get();
+}
+
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
 // Batches of 5 or more bf16 tokens on avx512bf16: tokens in the vector lanes. The register
 // tiles reload their 4 token rows for every 6 weight rows; with several token blocks both
@@ -535,20 +550,6 @@ TileFn<Out> tile_fn(int layout, int rows) {
   return tile_fn<Out>(layout, rows, std::make_integer_sequence<int, kNumLayouts>{});
 }
 
-// The calling thread's packing scratch, 64-byte aligned, of at least `words` dwords: grown,
-// never shrunk, and shared by both output dtypes.
-inline uint32_t* thread_scratch(int64_t words) {
-  thread_local std::unique_ptr<uint32_t, void (*)(void*)> scratch{nullptr, std::free};
-  thread_local int64_t capacity = 0;
-  if (capacity < words) {
-    const size_t bytes = size_t(words) * sizeof(uint32_t);
-    scratch.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
-    if (scratch == nullptr) throw std::bad_alloc();
-    capacity = words;
-  }
-  return scratch.get();
-}
-
 // Packs up to kPackedVectors vectors of tokens at a time and returns how many leading tokens
 // it did; the fewer than kLaneMinTokens left after them are the register tiles' work. Each
 // tile of weight rows serves every packed token while it is in L1/L2.
@@ -648,8 +649,318 @@ void run_tiles(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_e
   }
 }
 
+// A prepacked bf16 weight (moeext.prepack_router_weight), every ISA. The packed tensor
+// [ceil(H/2), E, 2] holds the experts in tiles of kRouterPackTile (64; the last one
+// narrower): tile i is [ceil(H/2)][width][2], the bf16 pair (h = 2k, 2k + 1) of each of its
+// experts for k = 0, 1, ... (an odd H's last pair padded with zero), and the tiles follow
+// each other. One pair row of a tile is a few consecutive vectors of experts, so a register
+// tile multiplies kVectors of them by a broadcast pair of each of kTokens tokens, and the
+// accumulators are the logits themselves: no horizontal sums, and a tile's weight is one
+// sequential stream. The broadcast token pairs stay in L1, where the nn.Linear layout's row
+// tiles re-read four token rows from L2 for every six experts: through torch.ops at H = 7168,
+// E = 256 and 384, two threads, weight in the LLC, T = 1 takes 0.91-0.93x their time, T = 2..4
+// 0.73-0.86x, T = 8..256 0.87-1.02x. With the weight coming from DRAM (the C++ benchmark's
+// rotated copies) T = 16..64 took 1.1-1.5x their time: the first token block of each pass
+// waits on memory. Software prefetch of the next pass won that back from DRAM but cost 25% at
+// T = 16 from the LLC, so there is none.
+namespace packed {
+
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+
+struct PairDot {
+  static constexpr int kLanes = 1;
+  static constexpr int kVectors = 4, kTokens = 4;
+  using Acc = float;
+  struct Pair {
+    float even, odd;
+  };
+  static Acc zero() { return 0.0f; }
+  static Acc load_acc(const float* p) { return *p; }
+  static void store_acc(Acc a, float* p) { *p = a; }
+  using Lanes = int;  // a vector is one expert: never partial
+  static Lanes lanes_mask(int /*n >= 1*/) { return 1; }
+  static Pair load_weight(const bf16_t* p) { return broadcast(p); }
+  static Pair load_weight(const bf16_t* p, Lanes /*all*/) { return broadcast(p); }
+  static Pair broadcast(const bf16_t* pair) { return {to_float(pair[0]), to_float(pair[1])}; }
+  static void madd(Acc& acc, const Pair& x, const Pair& w) {
+    acc += x.even * w.even;
+    acc += x.odd * w.odd;
+  }
+};
+
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
+
+// Pairs widened by shifting, as Dot<bf16_t> does: the even element of a 32-bit pair is its
+// low half shifted up, the odd one the pair with the low half cleared.
+struct PairDot {
+  static constexpr int kLanes = 8;
+  // 16 ymm registers: 2 x 4 accumulators, two widened weight vectors, one widened token pair.
+  static constexpr int kVectors = 2, kTokens = 4;
+  using Acc = __m256;
+  struct Pair {
+    __m256 even, odd;
+  };
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc load_acc(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_acc(Acc a, float* p) { _mm256_storeu_ps(p, a); }
+  static Pair split(__m256i v) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))))};
+  }
+  using Lanes = __m256i;  // all ones in the lanes to load
+  static Lanes lanes_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static Pair load_weight(const bf16_t* p) {
+    return split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static Pair load_weight(const bf16_t* p, Lanes lanes) {
+    return split(_mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes));
+  }
+  static Pair broadcast(const bf16_t* pair) {
+    return {_mm256_set1_ps(to_float(pair[0])), _mm256_set1_ps(to_float(pair[1]))};
+  }
+  static void madd(Acc& acc, const Pair& x, const Pair& w) {
+    acc = _mm256_fmadd_ps(x.odd, w.odd, _mm256_fmadd_ps(x.even, w.even, acc));
+  }
+};
+
+#else  // avx512, avx512bf16
+
+struct PairDotAvx512 {
+  static constexpr int kLanes = 16;
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc load_acc(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_acc(Acc a, float* p) { _mm512_storeu_ps(p, a); }
+  using Lanes = __mmask16;
+  static Lanes lanes_mask(int n) { return mask16(n); }
+  static __m512i load_pairs(const bf16_t* p) { return _mm512_loadu_si512(p); }
+  static __m512i load_pairs(const bf16_t* p, Lanes lanes) {
+    return _mm512_maskz_loadu_epi32(lanes, p);
+  }
+};
+
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
+
+// One vdpbf16ps per vector of experts and token: 4 x 4 accumulators. 4 x 6 measured no
+// faster at T = 16..256, and 8 x 2 slower at T = 4.
+struct PairDot : PairDotAvx512 {
+  static constexpr int kVectors = 4, kTokens = 4;
+  using Pair = __m512bh;
+  template <typename... Lanes>
+  static Pair load_weight(const bf16_t* p, Lanes... lanes) {
+    __m512i v = load_pairs(p, lanes...);
+    asm("" : "+v"(v));  // kept in a register across the tokens (see Dot<bf16_t>::load)
+    return Pair(v);
+  }
+  static Pair broadcast(const bf16_t* pair) {
+    int32_t bits;
+    std::memcpy(&bits, pair, sizeof(bits));
+    return Pair(_mm512_set1_epi32(bits));
+  }
+  static void madd(Acc& acc, Pair x, Pair w) { acc = _mm512_dpbf16_ps(acc, x, w); }
+};
+
+#else
+
+// Widened by shifting; a weight vector is two registers: 4 x 4 accumulators, 8 + 2 operands.
+struct PairDot : PairDotAvx512 {
+  static constexpr int kVectors = 4, kTokens = 4;
+  struct Pair {
+    __m512 even, odd;
+  };
+  template <typename... Lanes>
+  static Pair load_weight(const bf16_t* p, Lanes... lanes) {
+    const __m512i v = load_pairs(p, lanes...);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
+  }
+  static Pair broadcast(const bf16_t* pair) {
+    return {_mm512_set1_ps(to_float(pair[0])), _mm512_set1_ps(to_float(pair[1]))};
+  }
+  static void madd(Acc& acc, const Pair& x, const Pair& w) {
+    acc = _mm512_fmadd_ps(x.odd, w.odd, _mm512_fmadd_ps(x.even, w.even, acc));
+  }
+};
+
+#endif
+#endif
+
+constexpr int64_t kTile = kRouterPackTile;
+static_assert(kTile % (PairDot::kLanes * PairDot::kVectors) == 0,
+              "a tile of experts must split into whole register tiles");
+// Past kTokens tokens, k is walked in passes of kChunkPairs pairs (the tile's 32 KiB of
+// weight for them stays in L1 while every token block uses it), the partial logits waiting
+// in the thread's scratch. Measured at H = 7168, T = 16..256: 256 and 512 pairs within 2%,
+// 64 slower by 5-10%, whole rows by 30-50%.
+constexpr int64_t kChunkPairs = 256;
+// Tokens per sweep over the weight: bounds the scratch at kSweepTokens x kTile floats.
+constexpr int64_t kSweepTokens = 256;
+
+// The part of one tile's work a register tile does: vectors [0, V) of experts (the last with
+// `lanes` experts) for tokens [0, TB), pairs [k_begin, k_end).
+struct TileWork {
+  const bf16_t* weight;    // the tile's pair row 0, at this register tile's first expert
+  int64_t weight_row;      // elements per pair row: 2 x the tile's width
+  const bf16_t* x;         // the first token's row
+  int64_t x_row;           // hidden_row_stride
+  int64_t hidden_size;
+  int64_t k_begin, k_end;  // pairs; k_end may be the odd hidden_size's half pair
+  int lanes;               // experts in the last vector
+  float* partial;          // [TB][kTile] partial logits between passes (nullptr: one pass)
+  bool first, last;
+  void* out;               // logits of token 0, at this register tile's first expert
+  int64_t out_row;         // logits_row_stride
+};
+
+inline void store_logits(const float* v, int n, float* out) {
+  std::memcpy(out, v, size_t(n) * sizeof(float));
+}
+inline void store_logits(const float* v, int n, bf16_t* out) {
+  for (int i = 0; i < n; ++i) out[i].bits = float_to_bf16_bits(v[i]);
+}
+
+// Every loop over the tile's tokens and vectors is unrolled by pragma: left to GCC 12's
+// heuristics, acc stayed an array in memory, stored back after every pair (2x the time).
+template <typename Out, int V, int TB>
+void tile(const TileWork& a) {
+  using D = PairDot;
+  typename D::Acc acc[TB][V];
+#pragma GCC unroll 16
+  for (int t = 0; t < TB; ++t) {
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      acc[t][v] = a.first ? D::zero() : D::load_acc(a.partial + t * kTile + v * D::kLanes);
+    }
+  }
+  const bf16_t* x[TB];
+#pragma GCC unroll 16
+  for (int t = 0; t < TB; ++t) x[t] = a.x + t * a.x_row;
+  const typename D::Lanes last_lanes = D::lanes_mask(a.lanes);
+  constexpr int64_t step = 2 * D::kLanes;  // elements from one vector of experts to the next
+  // Whole pairs, then an odd hidden_size's half pair (x[H - 1], 0), read without touching
+  // x[H]: the same step, written twice so the accumulators never leave the registers.
+  const int64_t full_end = std::min(a.k_end, a.hidden_size / 2);
+  for (int64_t k = a.k_begin; k < full_end; ++k) {
+    typename D::Pair w[V];
+#pragma GCC unroll 16
+    for (int v = 0; v + 1 < V; ++v) w[v] = D::load_weight(a.weight + k * a.weight_row + v * step);
+    w[V - 1] = D::load_weight(a.weight + k * a.weight_row + (V - 1) * step, last_lanes);
+#pragma GCC unroll 16
+    for (int t = 0; t < TB; ++t) {
+      const typename D::Pair xp = D::broadcast(x[t] + 2 * k);
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) D::madd(acc[t][v], xp, w[v]);
+    }
+  }
+  if (full_end < a.k_end) {
+    const int64_t k = full_end;
+    typename D::Pair w[V];
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      w[v] = D::load_weight(a.weight + k * a.weight_row + v * step,
+                            v + 1 < V ? D::lanes_mask(D::kLanes) : last_lanes);
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < TB; ++t) {
+      const bf16_t pair[2] = {x[t][a.hidden_size - 1], bf16_t{0}};
+      const typename D::Pair xp = D::broadcast(pair);
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) D::madd(acc[t][v], xp, w[v]);
+    }
+  }
+  if (!a.last) {
+#pragma GCC unroll 16
+    for (int t = 0; t < TB; ++t) {
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) D::store_acc(acc[t][v], a.partial + t * kTile + v * D::kLanes);
+    }
+    return;
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < TB; ++t) {
+    Out* out = static_cast<Out*>(a.out) + t * a.out_row;
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      float lanes[D::kLanes];
+      D::store_acc(acc[t][v], lanes);
+      store_logits(lanes, v + 1 < V ? D::kLanes : a.lanes, out + v * D::kLanes);
+    }
+  }
+}
+
+template <typename Out>
+using TileFn = void (*)(const TileWork&);
+
+// fn[v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of the tokens.
+template <typename Out>
+struct TileTable {
+  TileFn<Out> fn[PairDot::kVectors][PairDot::kTokens];
+  template <int... I>
+  constexpr explicit TileTable(std::integer_sequence<int, I...>) : fn{} {
+    ((fn[I / PairDot::kTokens][I % PairDot::kTokens] =
+          &tile<Out, I / PairDot::kTokens + 1, I % PairDot::kTokens + 1>),
+     ...);
+  }
+};
+template <typename Out>
+inline constexpr TileTable<Out> kTiles{
+    std::make_integer_sequence<int, PairDot::kVectors * PairDot::kTokens>{}};
+
+// expert_begin is a multiple of kTile (the callers split there). Tiles outermost within a
+// sweep of tokens, so each tile's weight comes from memory once per sweep.
+template <typename Out>
+void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  using D = PairDot;
+  const int64_t pairs = (p.hidden_size + 1) / 2;
+  const bf16_t* weight = static_cast<const bf16_t*>(p.weight);
+  const bf16_t* hidden = static_cast<const bf16_t*>(p.hidden_states);
+  for (int64_t t0 = 0; t0 < p.num_tokens; t0 += kSweepTokens) {
+    const int64_t tokens = std::min(kSweepTokens, p.num_tokens - t0);
+    const bool one_pass = tokens <= D::kTokens;  // the accumulators never leave registers
+    const int64_t chunk = one_pass ? std::max<int64_t>(pairs, 1) : kChunkPairs;
+    float* partial =
+        one_pass ? nullptr : reinterpret_cast<float*>(thread_scratch(tokens * kTile));
+    for (int64_t e0 = expert_begin; e0 < expert_end; e0 += kTile) {
+      const int64_t width = std::min(kTile, p.num_experts - e0);
+      const int64_t vectors = (width + D::kLanes - 1) / D::kLanes;
+      // Every tile before this one is kTile wide.
+      const bf16_t* tile_weight = weight + e0 * pairs * 2;
+      for (int64_t k = 0;; k += chunk) {
+        const int64_t k_end = std::min(pairs, k + chunk);
+        for (int64_t v0 = 0; v0 < vectors; v0 += D::kVectors) {
+          const int64_t nv = std::min<int64_t>(D::kVectors, vectors - v0);
+          const int64_t e = e0 + v0 * D::kLanes;
+          for (int64_t t = 0; t < tokens; t += D::kTokens) {
+            const int64_t nt = std::min<int64_t>(D::kTokens, tokens - t);
+            const int64_t last_vector = e + (nv - 1) * D::kLanes;
+            const TileWork work{
+                tile_weight + v0 * D::kLanes * 2, width * 2,
+                hidden + (t0 + t) * p.hidden_row_stride, p.hidden_row_stride, p.hidden_size,
+                k, k_end, int(std::min<int64_t>(D::kLanes, e0 + width - last_vector)),
+                one_pass ? nullptr : partial + t * kTile + v0 * D::kLanes, k == 0, k_end == pairs,
+                static_cast<Out*>(p.logits) + (t0 + t) * p.logits_row_stride + e,
+                p.logits_row_stride};
+            kTiles<Out>.fn[nv - 1][nt - 1](work);
+          }
+        }
+        if (k_end == pairs) break;
+      }
+    }
+  }
+}
+
+}  // namespace packed
+
 template <typename In, typename Out>
 void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+  if constexpr (std::is_same_v<In, bf16_t>) {
+    if (p.weight_prepacked) {
+      packed::run<Out>(p, expert_begin, expert_end);
+      return;
+    }
+  }
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
   if constexpr (std::is_same_v<In, bf16_t>) {
     const int64_t done = lanes::run<Out>(p, expert_begin, expert_end);

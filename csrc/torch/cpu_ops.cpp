@@ -81,13 +81,15 @@ at::Tensor router_gemm_cpu_impl(const at::Tensor& hidden_states, const at::Tenso
   check_cpu(hidden_states, op, "hidden_states");
   const at::ScalarType logits_dtype =
       check_router_gemm_inputs(hidden_states, weight, out_dtype, op);
-  at::Tensor logits = empty_output({hidden_states.size(0), weight.size(0)}, logits_dtype);
+  at::Tensor logits =
+      empty_output({hidden_states.size(0), router_gemm_num_experts(weight)}, logits_dtype);
   const RouterGemmParams p = make_router_gemm_params(hidden_states, weight, logits);
   if (p.num_tokens == 0 || p.num_experts == 0) return logits;
   // Threads split the experts, so each streams its own slice of the weight once and computes
-  // every token for it. A chunk should carry at least ~512k multiply-adds (a few us, more
-  // than a thread wake-up costs), so small gates stay on the calling thread.
-  const int64_t block = router_gemm_expert_block();
+  // every token for it (a prepacked weight at its tiles). A chunk should carry at least ~512k
+  // multiply-adds (a few us, more than a thread wake-up costs), so small gates stay on the
+  // calling thread.
+  const int64_t block = p.weight_prepacked ? kRouterPackTile : router_gemm_expert_block();
   const int64_t num_blocks = (p.num_experts + block - 1) / block;
   const int64_t work_per_block = block * std::max<int64_t>(1, p.hidden_size) * p.num_tokens;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / work_per_block);

@@ -115,6 +115,9 @@ at::Tensor router_gemm_cuda_op(const at::Tensor& hidden_states, const at::Tensor
                                std::optional<at::ScalarType> out_dtype) {
   constexpr const char* op = "router_gemm";
   check_cuda(hidden_states, op, "hidden_states");
+  TORCH_CHECK(weight.dim() != 3, op,
+              ": a prepacked weight (moeext.prepack_router_weight) is a CPU layout; on ",
+              hidden_states.device(), " pass the [num_experts, hidden_size] weight");
   const at::ScalarType logits_dtype =
       check_router_gemm_inputs(hidden_states, weight, out_dtype, op);
   at::Tensor logits = at::empty({hidden_states.size(0), weight.size(0)},

@@ -131,30 +131,52 @@ BiasedGroupedTopkParams fill_grouped_topk_params(
   return p;
 }
 
+int64_t router_gemm_num_experts(const at::Tensor& weight) {
+  return weight.dim() == 3 ? weight.size(1) : weight.size(0);
+}
+
 at::ScalarType check_router_gemm_inputs(const at::Tensor& hidden_states, const at::Tensor& weight,
                                         std::optional<at::ScalarType> out_dtype, const char* op) {
   TORCH_CHECK(hidden_states.dim() == 2, op,
               ": hidden_states must be 2-D [num_tokens, hidden_size], got shape ",
               hidden_states.sizes());
-  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [num_experts, hidden_size], got shape ",
-              weight.sizes());
   to_moeext_dtype(hidden_states, op, "hidden_states");
-  TORCH_CHECK(weight.scalar_type() == hidden_states.scalar_type(), op,
-              ": weight must have the dtype of hidden_states (", hidden_states.scalar_type(),
-              "), got ", weight.scalar_type());
-  TORCH_CHECK(weight.size(1) == hidden_states.size(1), op,
-              ": weight must have shape [num_experts, ", hidden_states.size(1),
-              "] (hidden_size of hidden_states), got ", weight.sizes());
+  const int64_t hidden_size = hidden_states.size(1);
+  if (weight.dim() == 3) {
+    const int64_t pairs = (hidden_size + 1) / 2;
+    TORCH_CHECK(hidden_states.scalar_type() == at::kBFloat16 &&
+                    weight.scalar_type() == at::kBFloat16,
+                op, ": a prepacked weight and hidden_states must both be bfloat16, got weight ",
+                weight.scalar_type(), " and hidden_states ", hidden_states.scalar_type());
+    TORCH_CHECK(weight.size(0) == pairs && weight.size(2) == 2, op,
+                ": a prepacked weight must have shape [", pairs,
+                ", num_experts, 2] (ceil(hidden_size / 2) for the hidden_size ", hidden_size,
+                " of hidden_states), got ", weight.sizes());
+    TORCH_CHECK(weight.is_contiguous(), op,
+                ": a prepacked weight must be contiguous, as moeext.prepack_router_weight "
+                "returns it, got strides ",
+                weight.strides());
+  } else {
+    TORCH_CHECK(weight.dim() == 2, op,
+                ": weight must be 2-D [num_experts, hidden_size] (or prepacked, 3-D "
+                "[ceil(hidden_size / 2), num_experts, 2]), got shape ",
+                weight.sizes());
+    TORCH_CHECK(weight.scalar_type() == hidden_states.scalar_type(), op,
+                ": weight must have the dtype of hidden_states (", hidden_states.scalar_type(),
+                "), got ", weight.scalar_type());
+    TORCH_CHECK(weight.size(1) == hidden_size, op, ": weight must have shape [num_experts, ",
+                hidden_size, "] (hidden_size of hidden_states), got ", weight.sizes());
+    TORCH_CHECK(weight.size(1) <= 1 || weight.stride(1) == 1, op,
+                ": weight must have contiguous rows (stride(1) == 1), got strides ",
+                weight.strides());
+  }
   TORCH_CHECK(weight.device() == hidden_states.device(), op, ": weight is on ", weight.device(),
               " but hidden_states is on ", hidden_states.device());
   // Strided rows (a slice of a wider activation buffer) are fine; strided columns would make
   // every load a gather, and a per-call copy is what this op exists to avoid.
-  TORCH_CHECK(hidden_states.size(1) <= 1 || hidden_states.stride(1) == 1, op,
+  TORCH_CHECK(hidden_size <= 1 || hidden_states.stride(1) == 1, op,
               ": hidden_states must have contiguous rows (stride(1) == 1), got strides ",
               hidden_states.strides());
-  TORCH_CHECK(weight.size(1) <= 1 || weight.stride(1) == 1, op,
-              ": weight must have contiguous rows (stride(1) == 1), got strides ",
-              weight.strides());
   const at::ScalarType logits_dtype = out_dtype.value_or(at::kFloat);
   TORCH_CHECK(logits_dtype == at::kFloat || logits_dtype == at::kBFloat16, op,
               ": out_dtype must be float32 or bfloat16 (or None for float32), got ",
@@ -168,14 +190,15 @@ RouterGemmParams make_router_gemm_params(const at::Tensor& hidden_states,
   p.hidden_states = hidden_states.data_ptr();
   p.hidden_row_stride = hidden_states.stride(0);
   p.weight = weight.data_ptr();
-  p.weight_row_stride = weight.stride(0);
+  p.weight_prepacked = weight.dim() == 3;
+  p.weight_row_stride = p.weight_prepacked ? 0 : weight.stride(0);
   p.input_dtype = to_moeext_dtype(hidden_states, "router_gemm", "hidden_states");
   p.logits = logits.data_ptr();
   p.logits_row_stride = logits.stride(0);
   p.logits_dtype = to_moeext_dtype(logits, "router_gemm", "out_dtype");
   p.num_tokens = hidden_states.size(0);
   p.hidden_size = hidden_states.size(1);
-  p.num_experts = weight.size(0);
+  p.num_experts = router_gemm_num_experts(weight);
   return p;
 }
 

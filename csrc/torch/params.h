@@ -38,6 +38,10 @@ BiasedGroupedTopkParams make_grouped_topk_params(
     int64_t topk_group, bool renormalize, double routed_scaling_factor,
     std::string_view scoring_func, const char* op);
 
+// The experts of a router weight: [num_experts, hidden_size], or prepacked (3-D,
+// [ceil(hidden_size / 2), num_experts, 2]; see RouterGemmParams::weight_prepacked).
+int64_t router_gemm_num_experts(const at::Tensor& weight);
+
 // Checks the inputs of router_gemm and returns the logits dtype (out_dtype, float32 if none).
 at::ScalarType check_router_gemm_inputs(const at::Tensor& hidden_states, const at::Tensor& weight,
                                         std::optional<at::ScalarType> out_dtype, const char* op);

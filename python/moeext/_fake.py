@@ -92,16 +92,30 @@ def _router_gemm_fake(hidden_states, weight, out_dtype=None):
     torch._check(hidden_states.dim() == 2,
                  lambda: f"{op}: hidden_states must be 2-D [num_tokens, hidden_size], got shape "
                  f"{list(hidden_states.shape)}")
-    torch._check(weight.dim() == 2,
-                 lambda: f"{op}: weight must be 2-D [num_experts, hidden_size], got shape "
-                 f"{list(weight.shape)}")
     _check_float_dtype(op, "hidden_states", hidden_states)
-    torch._check(weight.dtype == hidden_states.dtype,
-                 lambda: f"{op}: weight must have the dtype of hidden_states "
-                 f"({hidden_states.dtype}), got {weight.dtype}")
-    torch._check(weight.shape[1] == hidden_states.shape[1],
-                 lambda: f"{op}: weight must have shape [num_experts, {hidden_states.shape[1]}] "
-                 f"(hidden_size of hidden_states), got {list(weight.shape)}")
+    hidden_size = hidden_states.shape[1]
+    if weight.dim() == 3:
+        pairs = (hidden_size + 1) // 2
+        torch._check(hidden_states.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16,
+                     lambda: f"{op}: a prepacked weight and hidden_states must both be bfloat16, "
+                     f"got weight {weight.dtype} and hidden_states {hidden_states.dtype}")
+        torch._check(weight.shape[0] == pairs and weight.shape[2] == 2,
+                     lambda: f"{op}: a prepacked weight must have shape [{pairs}, num_experts, 2] "
+                     f"(ceil(hidden_size / 2) for the hidden_size {hidden_size} of "
+                     f"hidden_states), got {list(weight.shape)}")
+        num_experts = weight.shape[1]
+    else:
+        torch._check(weight.dim() == 2,
+                     lambda: f"{op}: weight must be 2-D [num_experts, hidden_size] (or "
+                     f"prepacked, 3-D [ceil(hidden_size / 2), num_experts, 2]), got shape "
+                     f"{list(weight.shape)}")
+        torch._check(weight.dtype == hidden_states.dtype,
+                     lambda: f"{op}: weight must have the dtype of hidden_states "
+                     f"({hidden_states.dtype}), got {weight.dtype}")
+        torch._check(weight.shape[1] == hidden_size,
+                     lambda: f"{op}: weight must have shape [num_experts, {hidden_size}] "
+                     f"(hidden_size of hidden_states), got {list(weight.shape)}")
+        num_experts = weight.shape[0]
     torch._check(weight.device == hidden_states.device,
                  lambda: f"{op}: weight is on {weight.device} but hidden_states is on "
                  f"{hidden_states.device}")
@@ -109,8 +123,7 @@ def _router_gemm_fake(hidden_states, weight, out_dtype=None):
     torch._check(logits_dtype in (torch.float32, torch.bfloat16),
                  lambda: f"{op}: out_dtype must be float32 or bfloat16 (or None for float32), "
                  f"got {logits_dtype}")
-    return hidden_states.new_empty((hidden_states.shape[0], weight.shape[0]),
-                                   dtype=logits_dtype)
+    return hidden_states.new_empty((hidden_states.shape[0], num_experts), dtype=logits_dtype)
 
 
 def _check_extent(op, name, value):

@@ -96,10 +96,31 @@ def router_gemm(
 
     The exact product, computed in fp64 and rounded once to ``out_dtype`` (float32 if None).
     A kernel accumulating in fp32 differs from it by its accumulation error only; the tests
-    bound that by a tolerance that grows with ``hidden_size``.
+    bound that by a tolerance that grows with ``hidden_size``. A prepacked (3-D) weight is
+    unpacked first.
     """
+    if weight.dim() == 3:
+        weight = unpack_router_weight(weight, hidden_states.shape[1])
     exact = hidden_states.double() @ weight.double().T
     return exact.to(torch.float32 if out_dtype is None else out_dtype)
+
+
+def unpack_router_weight(packed: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """The ``[num_experts, hidden_size]`` weight a ``moeext.prepack_router_weight`` result holds.
+
+    Read tile by tile as the layout is documented: experts in tiles of 64 (the last one
+    narrower), tile ``[ceil(H / 2)][width][2]`` holding the pair ``(2k, 2k + 1)`` of each
+    expert, the tiles one after the other.
+    """
+    pairs, num_experts, _ = packed.shape
+    flat = packed.reshape(-1)
+    rows = []
+    for first in range(0, num_experts, 64):
+        width = min(64, num_experts - first)
+        tile = flat[first * pairs * 2:(first + width) * pairs * 2].view(pairs, width, 2)
+        rows.append(tile.permute(1, 0, 2).reshape(width, 2 * pairs))
+    weight = torch.cat(rows) if rows else packed.new_empty(0, 2 * pairs)
+    return weight[:, :hidden_size]
 
 
 def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:

@@ -7,6 +7,9 @@
 
 namespace moeext {
 
+// Experts per tile of a prepacked router weight (see RouterGemmParams::weight_prepacked).
+constexpr int64_t kRouterPackTile = 64;
+
 // logits[t][e] = sum_h hidden[t][h] * weight[e][h], accumulated in fp32. All strides are in
 // elements; rows of both inputs are contiguous (stride 1 along hidden_size).
 struct RouterGemmParams {
@@ -14,6 +17,11 @@ struct RouterGemmParams {
   int64_t hidden_row_stride = 0;
   const void* weight = nullptr;  // [num_experts, hidden_size], the nn.Linear layout
   int64_t weight_row_stride = 0;
+  // Or, bf16 only (CPU), the contiguous prepacked weight of moeext.prepack_router_weight:
+  // experts in tiles of kRouterPackTile (the last one narrower), tile i stored as
+  // [ceil(hidden_size / 2)][width_i][2]: the pair (h = 2k, 2k + 1) of each of its experts, an
+  // odd hidden_size's last pair padded with zero; the tiles one after the other.
+  bool weight_prepacked = false;
   DType input_dtype = DType::kBFloat16;  // of both inputs
 
   void* logits = nullptr;  // [num_tokens, num_experts], columns contiguous
