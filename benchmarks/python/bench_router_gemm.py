@@ -4,6 +4,8 @@ For a bf16 gate of DeepSeek-V3's hidden size (H = 7168) and E experts, per numbe
 the median latency of, all measured in the same run:
 
   moeext fp32     torch.ops.moeext.router_gemm(x, w)              fp32 logits, exact-ish
+  moeext packed   torch.ops.moeext.router_gemm(x, wp)             the same from the weight
+                  moeext.prepack_router_weight(w) made once
   moeext bf16     torch.ops.moeext.router_gemm(x, w, bfloat16)    rounded once
   linear bf16     F.linear(x, w)                  oneDNN bf16 GEMM, bf16 out (~1.5e-2 off)
   linear fp32     F.linear(x.float(), w32)        weight upcast once, kept (2x the memory)
@@ -11,7 +13,8 @@ the median latency of, all measured in the same run:
   read bound      the time to read the weight's bytes once (a torch .sum() over an fp32
                   buffer of the same size): what a T = 1 GEMM cannot beat
 
-and the ratios of each baseline to moeext fp32 (>1: moeext is faster). The machine's cores
+and the ratios of each baseline to moeext fp32, and of F.linear bf16 to moeext packed (>1:
+moeext is faster). The machine's cores
 may be shared: every function is timed in several rounds, interleaved with the others, and
 the best round's median is kept, so a burst of foreign load hits one round, not a column.
 
@@ -34,7 +37,9 @@ from common import Row, machine_line, median_seconds  # noqa: E402
 HIDDEN_SIZE = 7168
 EXPERTS = [256, 384]
 TOKENS = [1, 4, 16, 64, 256]
-COLUMNS = ["moeext fp32", "moeext bf16", "linear bf16", "linear fp32", "upcast/call"]
+OURS = ["moeext fp32", "moeext packed", "moeext bf16"]
+BASELINE_COLUMNS = ["linear bf16", "linear fp32", "upcast/call"]
+COLUMNS = OURS + BASELINE_COLUMNS
 
 
 def measure(num_experts, num_tokens, min_time, rounds):
@@ -42,10 +47,12 @@ def measure(num_experts, num_tokens, min_time, rounds):
     x = torch.randn(num_tokens, HIDDEN_SIZE, generator=g).bfloat16()
     w = (0.02 * torch.randn(num_experts, HIDDEN_SIZE, generator=g)).bfloat16()
     w32 = w.float()
+    packed = moeext.prepack_router_weight(w)
     same_bytes = torch.ones(w.numel() * w.element_size() // 4)
     op = torch.ops.moeext.router_gemm.default
     fns = {
         "moeext fp32": lambda: op(x, w),
+        "moeext packed": lambda: op(x, packed),
         "moeext bf16": lambda: op(x, w, torch.bfloat16),
         "linear bf16": lambda: F.linear(x, w),
         "linear fp32": lambda: F.linear(x.float(), w32),
@@ -70,9 +77,12 @@ def rows(quick=False):
     for num_experts in experts:
         for num_tokens in tokens:
             t = measure(num_experts, num_tokens, min_time, rounds)
+            shape = f"E={num_experts} H={HIDDEN_SIZE} T={num_tokens}"
             for name, label in BASELINES.items():
-                yield Row("router_gemm", f"E={num_experts} H={HIDDEN_SIZE} T={num_tokens}",
-                          t["moeext fp32"], label, t[name], x=num_tokens)
+                yield Row("router_gemm", shape, t["moeext fp32"], label, t[name], x=num_tokens)
+            for name in ("linear bf16", "read bound"):
+                yield Row("router_gemm prepacked", shape, t["moeext packed"], BASELINES[name],
+                          t[name], x=num_tokens)
 
 
 def main(argv=None):
@@ -89,8 +99,9 @@ def main(argv=None):
         experts, tokens, min_time, rounds = [256], [1, 16], 0.05, 1
 
     print(f"# router_gemm, bf16 inputs, H = {HIDDEN_SIZE} — {machine_line()}")
-    print(f"# median us (best of {rounds} interleaved rounds); xN = baseline / moeext fp32; "
-          f"bound = moeext fp32 / time to read the weight's bytes once")
+    print(f"# median us (best of {rounds} interleaved rounds); xN = baseline / moeext fp32 "
+          f"(packed: F.linear bf16 / moeext packed); bound = moeext fp32, packed / time to read "
+          f"the weight's bytes once")
     rows = []
     for num_experts in experts:
         print(f"E={num_experts} (weight {num_experts * HIDDEN_SIZE * 2 / 2**20:.2f} MiB)")
@@ -98,22 +109,26 @@ def main(argv=None):
             t = measure(num_experts, num_tokens, min_time, rounds)
             bound = t["read bound"]
             rows.append((num_experts, num_tokens, t, bound))
-            ours = t["moeext fp32"]
+            ours, packed = t["moeext fp32"], t["moeext packed"]
             cells = "  ".join(f"{name} {t[name] * 1e6:8.1f}" for name in COLUMNS + ["read bound"])
-            ratios = "  ".join(f"x{t[name] / ours:4.1f}" for name in COLUMNS[2:])
+            ratios = "  ".join(f"x{t[name] / ours:4.1f}" for name in BASELINE_COLUMNS)
             print(f"  T={num_tokens:<4d} {cells}   vs linear bf16/fp32/upcast {ratios}   "
-                  f"bound x{ours / bound:4.2f}", flush=True)
+                  f"packed x{t['linear bf16'] / packed:4.1f}   bound x{ours / bound:4.2f}, "
+                  f"packed x{packed / bound:4.2f}", flush=True)
     if args.markdown:
         print()
-        print("| E | T | moeext fp32 | moeext bf16 | F.linear bf16 | F.linear fp32 "
-              "(w pre-upcast) | upcast every call | read bound | vs F.linear bf16 | "
-              "vs fp32 pre-upcast | vs upcast/call | moeext / read bound |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| E | T | moeext fp32 | moeext packed | moeext bf16 | F.linear bf16 | "
+              "F.linear fp32 (w pre-upcast) | upcast every call | read bound | vs F.linear bf16 "
+              "| vs fp32 pre-upcast | vs upcast/call | packed vs F.linear bf16 | "
+              "moeext / read bound | packed / read bound |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for num_experts, num_tokens, t, bound in rows:
-            ours = t["moeext fp32"]
+            ours, packed = t["moeext fp32"], t["moeext packed"]
             us = " | ".join(f"{t[name] * 1e6:.1f}" for name in COLUMNS + ["read bound"])
-            ratios = " | ".join(f"{t[name] / ours:.1f}x" for name in COLUMNS[2:])
-            print(f"| {num_experts} | {num_tokens} | {us} | {ratios} | {ours / bound:.2f}x |")
+            ratios = " | ".join(f"{t[name] / ours:.1f}x" for name in BASELINE_COLUMNS)
+            print(f"| {num_experts} | {num_tokens} | {us} | {ratios} | "
+                  f"{t['linear bf16'] / packed:.1f}x | {ours / bound:.2f}x | "
+                  f"{packed / bound:.2f}x |")
 
 
 if __name__ == "__main__":

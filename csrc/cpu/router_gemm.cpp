@@ -661,8 +661,9 @@ void run_tiles(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_e
 // E = 256 and 384, two threads, weight in the LLC, T = 1 takes 0.91-0.93x their time, T = 2..4
 // 0.73-0.86x, T = 8..256 0.87-1.02x. With the weight coming from DRAM (the C++ benchmark's
 // rotated copies) T = 16..64 took 1.1-1.5x their time: the first token block of each pass
-// waits on memory. Software prefetch of the next pass won that back from DRAM but cost 25% at
-// T = 16 from the LLC, so there is none.
+// waits on memory. Software prefetch of the next pass during the other token blocks (one line
+// per pair step, the blocks taking turns) won that back from DRAM (T = 16 level with the row
+// tiles) but cost 17% at T = 16 from the LLC (25% with a line per vector), so there is none.
 namespace packed {
 
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
