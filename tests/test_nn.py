@@ -159,3 +159,65 @@ def test_compile_fullgraph(device, logits_dtype):
             got = compiled(hidden, return_logits=True)
         for a, b in zip(got, expected):
             assert torch.equal(a, b)
+
+
+def test_prepacked_router_loads_a_checkpoint_and_routes_like_the_reference():
+    """prepack_weight=True: the checkpoint's [E, H] weight is packed as it loads, routing
+    matches the reference on the unpacked weight, and state_dict gives the layout back."""
+    state = deepseek_v3_gate_state_dict()
+    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, prepack_weight=True)
+    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": torch.nn.ModuleDict(
+        {"3": torch.nn.ModuleDict({"mlp": MoEBlock(router)})})})})
+    model.load_state_dict(state, strict=True)
+    weight = state["model.layers.3.mlp.gate.weight"]
+    bias = state["model.layers.3.mlp.gate.e_score_correction_bias"]
+    assert router.weight.shape == (3584, 256, 2)
+    assert torch.equal(router.weight, moeext.prepack_router_weight(weight))
+    saved = model.state_dict()
+    assert saved.keys() == state.keys()
+    assert torch.equal(saved["model.layers.3.mlp.gate.weight"], weight)
+
+    hidden = torch.randn(2, 3, 7168, generator=torch.Generator().manual_seed(1)).bfloat16()
+    topk_weights, topk_ids, logits = router(hidden, return_logits=True)
+    expected_logits = reference.router_gemm(hidden.view(-1, 7168), weight)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=2e-3)
+    p = PRESETS["deepseek-v3"]
+    assert_routing_matches(topk_weights, topk_ids, expected_logits, bias, **p.op_kwargs())
+
+
+def test_prepacked_and_unpacked_routers_exchange_state_dicts():
+    packed = GroupedTopKRouter.from_preset("glm-4.5", 101, prepack_weight=True)
+    plain = GroupedTopKRouter.from_preset("glm-4.5", 101)
+    plain.load_state_dict(packed.state_dict())
+    assert torch.equal(moeext.prepack_router_weight(plain.weight), packed.weight)
+    with torch.no_grad():
+        plain.weight.normal_(0, 0.02)
+    packed.load_state_dict(plain.state_dict())
+    assert torch.equal(packed.state_dict()["weight"], plain.weight)
+    assert "prepack_weight=True" in repr(packed)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype=torch.float32), r"GroupedTopKRouter: prepack_weight needs a bfloat16 weight on "
+                                r"the CPU, got dtype torch.float32 on cpu"),
+    (dict(device="meta"), r"GroupedTopKRouter: prepack_weight needs a bfloat16 weight on the "
+                          r"CPU, got dtype torch.bfloat16 on meta"),
+])
+def test_prepack_weight_needs_bf16_on_the_cpu(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GroupedTopKRouter.from_preset("glm-4.5", 64, prepack_weight=True, **kwargs)
+
+
+def test_compile_fullgraph_prepacked():
+    torch._dynamo.reset()
+    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG | {"hidden_size": 257},
+                                           prepack_weight=True)
+    compiled = torch.compile(router, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for num_tokens in (1, 7, 40):
+        hidden = torch.randn(num_tokens, 257, generator=g).bfloat16()
+        with torch.inference_mode():
+            expected = router(hidden, return_logits=True)
+            got = compiled(hidden, return_logits=True)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)

@@ -5,8 +5,9 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 
-from .ops import biased_grouped_topk, router_gemm
+from .ops import biased_grouped_topk, prepack_router_weight, router_gemm
 from .presets import PRESETS
+from .reference import unpack_router_weight
 
 __all__ = ["GroupedTopKRouter"]
 
@@ -41,6 +42,13 @@ class GroupedTopKRouter(torch.nn.Module):
             reads bf16 logits anyway).
         dtype: dtype of ``weight`` (the checkpoint's: bf16), hence of the hidden states.
         device: where the parameters live.
+        prepack_weight: hold ``weight`` in the layout of :func:`moeext.prepack_router_weight`
+            (bf16 on the CPU only), which ``router_gemm`` reads faster for decode batches of
+            up to about 8 tokens (README, "Router GEMM"). ``load_state_dict`` takes the
+            checkpoint's ``[num_experts, hidden_size]`` weight and packs it once;
+            ``state_dict`` gives that layout back, so checkpoints stay interchangeable with an
+            unpacked router. The parameter itself is then ``[ceil(hidden_size / 2),
+            num_experts, 2]``.
     """
 
     def __init__(
@@ -57,11 +65,17 @@ class GroupedTopKRouter(torch.nn.Module):
         logits_dtype: torch.dtype = torch.float32,
         dtype: torch.dtype = torch.bfloat16,
         device: Optional[Union[str, torch.device]] = None,
+        prepack_weight: bool = False,
     ):
         super().__init__()
         if logits_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"GroupedTopKRouter: logits_dtype must be torch.float32 or "
                              f"torch.bfloat16, got {logits_dtype}")
+        if prepack_weight and (dtype != torch.bfloat16
+                               or torch.device(device or "cpu").type != "cpu"):
+            raise ValueError(f"GroupedTopKRouter: prepack_weight needs a bfloat16 weight on the "
+                             f"CPU, got dtype {dtype} on {torch.device(device or 'cpu')}")
+        self.prepack_weight = prepack_weight
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.num_expert_group = num_expert_group
@@ -71,16 +85,26 @@ class GroupedTopKRouter(torch.nn.Module):
         self.scoring_func = scoring_func
         self.renormalize = renormalize
         self.logits_dtype = logits_dtype
-        self.weight = torch.nn.Parameter(
-            torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
+        shape = ((hidden_size + 1) // 2, num_experts, 2) if prepack_weight else (num_experts,
+                                                                                   hidden_size)
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if has_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.register_load_state_dict_pre_hook(_accept_deepseek_bias_name)
+        if prepack_weight:
+            self.register_load_state_dict_pre_hook(_prepack_loaded_weight)
+            self.register_state_dict_post_hook(_unpack_saved_weight)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation; checkpoints overwrite it.
-        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.prepack_weight:
+            weight = torch.empty(self.num_experts, self.hidden_size, dtype=self.weight.dtype)
+            torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            with torch.no_grad():
+                self.weight.copy_(prepack_router_weight(weight))
+        else:
+            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.e_score_correction_bias is not None:
             torch.nn.init.zeros_(self.e_score_correction_bias)
 
@@ -158,7 +182,8 @@ class GroupedTopKRouter(torch.nn.Module):
                 f"num_expert_group={self.num_expert_group}, topk_group={self.topk_group}, "
                 f"top_k={self.top_k}, routed_scaling_factor={self.routed_scaling_factor}, "
                 f"scoring_func={self.scoring_func!r}, renormalize={self.renormalize}, "
-                f"logits_dtype={self.logits_dtype}")
+                f"logits_dtype={self.logits_dtype}"
+                + (", prepack_weight=True" if self.prepack_weight else ""))
 
 
 def _accept_deepseek_bias_name(module, state_dict, prefix, *args):
@@ -166,3 +191,19 @@ def _accept_deepseek_bias_name(module, state_dict, prefix, *args):
     old, new = prefix + "bias", prefix + "e_score_correction_bias"
     if old in state_dict and new not in state_dict and module.e_score_correction_bias is not None:
         state_dict[new] = state_dict.pop(old)
+
+
+def _prepack_loaded_weight(module, state_dict, prefix, *args):
+    """A checkpoint's [num_experts, hidden_size] weight, packed once as it loads (cast to
+    bf16 first, as copying it into the bf16 parameter would)."""
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if weight is not None and weight.dim() == 2:
+        state_dict[key] = prepack_router_weight(weight.to(device="cpu", dtype=torch.bfloat16))
+
+
+def _unpack_saved_weight(module, state_dict, prefix, *args):
+    """state_dict() gives the checkpoint layout back."""
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = unpack_router_weight(state_dict[key], module.hidden_size)
