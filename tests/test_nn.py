@@ -42,11 +42,16 @@ class MoEBlock(torch.nn.Module):
         self.gate = gate
 
 
+def model_with_gate(router, layer=3):
+    """The module tree whose state-dict keys are the checkpoint's: model.layers.N.mlp.gate."""
+    return torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": torch.nn.ModuleDict(
+        {str(layer): torch.nn.ModuleDict({"mlp": MoEBlock(router)})})})})
+
+
 def test_loads_a_deepseek_v3_gate_and_routes_like_the_reference(device):
     state = deepseek_v3_gate_state_dict()  # on the CPU, as a checkpoint loads
     router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, device=device)
-    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": torch.nn.ModuleDict(
-        {"3": torch.nn.ModuleDict({"mlp": MoEBlock(router)})})})})
+    model = model_with_gate(router)
     model.load_state_dict(state, strict=True)
     weight = state["model.layers.3.mlp.gate.weight"]
     bias = state["model.layers.3.mlp.gate.e_score_correction_bias"]
@@ -166,8 +171,7 @@ def test_prepacked_router_loads_a_checkpoint_and_routes_like_the_reference():
     matches the reference on the unpacked weight, and state_dict gives the layout back."""
     state = deepseek_v3_gate_state_dict()
     router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, prepack_weight=True)
-    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": torch.nn.ModuleDict(
-        {"3": torch.nn.ModuleDict({"mlp": MoEBlock(router)})})})})
+    model = model_with_gate(router)
     model.load_state_dict(state, strict=True)
     weight = state["model.layers.3.mlp.gate.weight"]
     bias = state["model.layers.3.mlp.gate.e_score_correction_bias"]
