@@ -744,8 +744,10 @@ struct PairDotAvx512 {
 
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
 
-// One vdpbf16ps per vector of experts and token: 4 x 4 accumulators. 4 x 6 measured no
-// faster at T = 16..256, and 8 x 2 slower at T = 4.
+// One vdpbf16ps per vector of experts and token: 4 x 4 accumulators. With the weight in the
+// LLC, 4 x 6 and 2 x 8 were within 3% of it at T = 16..256; from DRAM 2 x 8 took 1.4x its
+// time (each register tile streams half of every pair row), and 1 x 16 (16 token row
+// pointers: more than the general registers) 6x.
 struct PairDot : PairDotAvx512 {
   static constexpr int kVectors = 4, kTokens = 4;
   using Pair = __m512bh;
@@ -791,10 +793,11 @@ struct PairDot : PairDotAvx512 {
 constexpr int64_t kTile = kRouterPackTile;
 static_assert(kTile % (PairDot::kLanes * PairDot::kVectors) == 0,
               "a tile of experts must split into whole register tiles");
-// Past kTokens tokens, k is walked in passes of kChunkPairs pairs (the tile's 32 KiB of
-// weight for them stays in L1 while every token block uses it), the partial logits waiting
-// in the thread's scratch. Measured at H = 7168, T = 16..256: 256 and 512 pairs within 2%,
-// 64 slower by 5-10%, whole rows by 30-50%.
+// Past kTokens tokens, k is walked in passes of kChunkPairs pairs (the tile's 64 KiB of
+// weight for them stays in L2 while every token block uses it), the partial logits waiting
+// in the thread's scratch. Measured with a prototype of this kernel at H = 7168, E = 256,
+// T = 16..256, weight in the LLC: 128, 256 and 512 pairs within 3% of each other, 64 pairs
+// 3-5% slower, whole rows 1.4-1.6x the time.
 constexpr int64_t kChunkPairs = 256;
 // Tokens per sweep over the weight: bounds the scratch at kSweepTokens x kTile floats.
 constexpr int64_t kSweepTokens = 256;
