@@ -118,7 +118,7 @@ const char* cpu_isa_name(CpuIsa isa) {
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin,
                              int64_t row_end) {
   if (row_begin >= row_end) return;
-  // Four float rows of num_experts (padded to whole 16-lane vectors), the groups' scores and
+  // Six float rows of num_experts (padded to whole 16-lane vectors), the groups' scores and
   // second largest values, the candidate buffers, the key arrays, the kept groups' expert
   // ranges. The float arrays are whole multiples of 16 lanes, so each starts a cache line
   // after the buffer's start.
@@ -127,13 +127,13 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
   const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
   const int64_t chosen_slots = padded(p.topk);
-  const int64_t words = 4 * row_floats + 2 * group_floats + 2 * candidate_slots +
+  const int64_t words = 6 * row_floats + 2 * group_floats + 2 * candidate_slots +
                         chosen_slots;  // 4-byte words
   const int64_t keys = p.topk_group + p.topk;
   const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
                         p.topk_group * int64_t(sizeof(cpu::ExpertRange));
-  // Decode-sized calls (the common case) stay on the stack: no allocation per call.
-  alignas(64) unsigned char stack_buffer[24 * 1024];
+  // Routers up to E = 1024 in up to 128 groups stay on the stack: no allocation per call.
+  alignas(64) unsigned char stack_buffer[32 * 1024];
   std::unique_ptr<unsigned char[]> heap_buffer;
   unsigned char* buffer = stack_buffer;
   if (bytes > int64_t(sizeof(stack_buffer))) {
@@ -142,8 +142,10 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   }
   float* f = reinterpret_cast<float*>(buffer);
   cpu::GroupedTopkWorkspace ws;
-  ws.scores = f;
-  ws.biased = f += row_floats;
+  ws.scores[0] = f;
+  ws.scores[1] = f += row_floats;
+  ws.biased[0] = f += row_floats;
+  ws.biased[1] = f += row_floats;
   ws.row = f += row_floats;
   ws.bias = f += row_floats;
   ws.group_scores = f += row_floats;

@@ -325,9 +325,13 @@ inline auto with_rank_vecs(int64_t n, Args... args) {
 // largest is kept either way: it bounds step 4's floor. kGroups is a compile-time count, so
 // the loops unroll and the 2 * kGroups running vectors stay in registers; groups
 // n..kGroups-1 are padding.
+// Lane g of score / second: group g's score and second largest b (-inf past n).
+struct GroupTop2 {
+  Vec score, second;
+};
+
 template <bool kTop2, int kGroups>
-inline void score_group_chunk(const float* b, int64_t group_size, int n, float* group_scores,
-                              float* group_seconds) {
+inline GroupTop2 score_group_chunk(const float* b, int64_t group_size, int n) {
   Vec first[kGroups], second[kGroups];
 #pragma GCC unroll 16
   for (int i = 0; i < kGroups; ++i) {
@@ -349,62 +353,89 @@ inline void score_group_chunk(const float* b, int64_t group_size, int n, float* 
     // +inf + -inf is NaN: it ranks as -inf like NaN in b (max returns -inf for a NaN sum).
     score = Vec::max(first[0] + second[0], Vec::set1(kNegInf));
   }
-  // Whole vectors (the arrays have a vector of slack): steps 3 and 4a read them right away.
-  score.store(group_scores);
-  second[0].store(group_seconds);
+  return {score, second[0]};
 }
 
+// With groups and k <= 2 * topk_group, the groups' top-2 give a floor without reading b again
+// or sorting: the kept groups' largest and second largest b are 2 * topk_group distinct
+// experts, all at or above the least of the seconds. On DeepSeek-V3 it is as tight as the
+// lanes' floor (about 11 candidates either way).
+inline float lowest_kept_second(const float* group_seconds, int64_t group_size,
+                                const ExpertRange* ranges, int64_t num_ranges) {
+  float lowest = std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < num_ranges; ++r) {
+    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += group_size) {
+      const float second = group_seconds[e / group_size];
+      lowest = second < lowest ? second : lowest;
+    }
+  }
+  return lowest;
+}
+
+// Steps 2 and 3: ws.ranges gets the expert ranges of the kept groups, in group order (the
+// ranking in step 4 relies on candidates arriving in index order); returns their number.
+// With want_floor, lowest_second gets lowest_kept_second's floor.
+//
+// Up to W groups stay in one vector from their scores to the kept mask and the floor: ranked
+// lane against lane through permutes, the floor a masked minimum. Stored and read back (the
+// general path below) they put a store-to-load round trip, and the floor a loop with a
+// divide, on every row's critical path (DeepSeek-V3 rows 0.95x the time in registers, V2
+// unchanged). There, one range per kept group: the loops over the ranges run a fixed
+// number of times with fixed trip counts, where merging neighbours made both depend on the
+// row and mispredict (DeepSeek-V3 rows 0.95-0.97x the time, V2 unchanged). Past W groups,
+// which may hold one expert each, neighbours are merged.
 template <bool kTop2>
-inline void score_groups(const float* b, int64_t num_groups, int64_t group_size,
-                         float* group_scores, float* group_seconds) {
+inline int64_t keep_groups(const float* b, int64_t num_groups, int64_t group_size,
+                           int64_t topk_group, bool want_floor, const GroupedTopkWorkspace& ws,
+                           float& lowest_second) {
   // Half a chunk when that is enough: the common 8 groups then cost half the merges.
   constexpr int kHalf = W > 1 ? W / 2 : 1;
+  int64_t num_ranges = 0;
+  if (num_groups <= W) {
+    const int n = int(num_groups);
+    const GroupTop2 top = n <= kHalf ? score_group_chunk<kTop2, kHalf>(b, group_size, n)
+                                     : score_group_chunk<kTop2, W>(b, group_size, n);
+    // rank_values' count, with the values broadcast from the register.
+    Vec rank = Vec::set1(0.0f);
+    for (int64_t j = 0; j < num_groups; ++j) {
+      rank = Vec::count_beaten(rank, Vec::broadcast_lane(top.score, j), top.score,
+                               typename Vec::Mask(~uint64_t(0) << (j + 1)), j + 1);
+    }
+    const auto kept =
+        Vec::tail_mask(num_groups) & Vec::cmp_lt(rank, Vec::set1(float(topk_group)));
+    if (want_floor) {
+      const Vec inf = Vec::set1(std::numeric_limits<float>::infinity());
+      lowest_second = Vec::reduce_min(Vec::select(kept, top.second, inf));
+    }
+    for (uint32_t bits = kept; bits != 0; bits &= bits - 1) {
+      const int64_t g = __builtin_ctz(bits);
+      ws.ranges[num_ranges++] = ExpertRange{g * group_size, (g + 1) * group_size};
+    }
+    return num_ranges;
+  }
   for (int64_t g0 = 0; g0 < num_groups; g0 += W) {
     const int n = int(num_groups - g0 < W ? num_groups - g0 : W);
     const float* chunk = b + g0 * group_size;
-    if (n <= kHalf) {
-      score_group_chunk<kTop2, kHalf>(chunk, group_size, n, group_scores + g0,
-                                      group_seconds + g0);
-    } else {
-      score_group_chunk<kTop2, W>(chunk, group_size, n, group_scores + g0, group_seconds + g0);
-    }
+    const GroupTop2 top = n <= kHalf ? score_group_chunk<kTop2, kHalf>(chunk, group_size, n)
+                                     : score_group_chunk<kTop2, W>(chunk, group_size, n);
+    top.score.store(ws.group_scores + g0);  // whole vectors: the arrays have slack
+    top.second.store(ws.group_seconds + g0);
   }
-}
-
-// Step 3: the expert ranges of the kept groups, in group order (the ranking in step 4 relies
-// on candidates arriving in index order). Returns their number. With up to W groups, one
-// range per kept group: the loops over the ranges then run a fixed number of times with fixed
-// trip counts, where merging neighbours made both depend on the row and mispredict
-// (DeepSeek-V3 rows 0.95-0.97x the time, V2 unchanged). Past W groups, which may hold one
-// expert each, neighbours are merged.
-inline int64_t kept_ranges(const float* group_scores, int64_t num_groups, int64_t group_size,
-                           int64_t topk_group, const GroupedTopkWorkspace& ws) {
-  int64_t num_ranges = 0;
-  auto keep = [&](int64_t g) {
+  int64_t count = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    topk_insert(ws.group_keys, count, topk_group, make_key(ws.group_scores[g], g));
+  }
+  const uint64_t last_kept = ws.group_keys[topk_group - 1];
+  for (int64_t g = 0; g < num_groups; ++g) {
+    if (make_key(ws.group_scores[g], g) < last_kept) continue;
     if (num_ranges > 0 && ws.ranges[num_ranges - 1].end == g * group_size) {
       ws.ranges[num_ranges - 1].end += group_size;
     } else {
       ws.ranges[num_ranges++] = ExpertRange{g * group_size, (g + 1) * group_size};
     }
-  };
-  if (num_groups <= W) {
-    Vec rank[1];
-    rank_values<1>(group_scores, num_groups, rank);
-    const auto kept =
-        Vec::tail_mask(num_groups) & Vec::cmp_lt(rank[0], Vec::set1(float(topk_group)));
-    for (uint32_t bits = kept; bits != 0; bits &= bits - 1) {
-      const int64_t g = __builtin_ctz(bits);
-      ws.ranges[num_ranges++] = ExpertRange{g * group_size, (g + 1) * group_size};
-    }
-  } else {
-    int64_t count = 0;
-    for (int64_t g = 0; g < num_groups; ++g) {
-      topk_insert(ws.group_keys, count, topk_group, make_key(group_scores[g], g));
-    }
-    const uint64_t last_kept = ws.group_keys[topk_group - 1];
-    for (int64_t g = 0; g < num_groups; ++g) {
-      if (make_key(group_scores[g], g) >= last_kept) keep(g);
-    }
+  }
+  if (want_floor) {
+    lowest_second = lowest_kept_second(ws.group_seconds, group_size, ws.ranges, num_ranges);
   }
   return num_ranges;
 }
@@ -436,22 +467,6 @@ inline LaneTop2 lanes_of_ranges(const float* b, const ExpertRange* ranges, int64
     }
   }
   return top;
-}
-
-// With groups and k <= 2 * topk_group, the groups' top-2 give a floor without reading b again
-// or sorting: the kept groups' largest and second largest b are 2 * topk_group distinct
-// experts, all at or above the least of the seconds. On DeepSeek-V3 it is as tight as the
-// lanes' floor (about 11 candidates either way).
-inline float lowest_kept_second(const float* group_seconds, int64_t group_size,
-                                const ExpertRange* ranges, int64_t num_ranges) {
-  float lowest = std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < num_ranges; ++r) {
-    for (int64_t e = ranges[r].begin; e < ranges[r].end; e += group_size) {
-      const float second = group_seconds[e / group_size];
-      lowest = second < lowest ? second : lowest;
-    }
-  }
-  return lowest;
 }
 
 // Largest k the floors below cover: 2W lanes' top-2, or where the vector layer ranks four
@@ -587,17 +602,25 @@ inline void select_experts(const float* b, const ExpertRange* ranges, int64_t nu
 // predicts); track is 0, 1 or 2 as for kTrack.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
 inline const float* score_row_tracked(const LogitT* logits, const BiasT* bias,
-                                      int64_t num_experts, int track,
-                                      const GroupedTopkWorkspace& ws, LaneTop2& top) {
+                                      int64_t num_experts, int track, float* scores,
+                                      float* biased, LaneTop2& top) {
   switch (track) {
     case 1:
-      return score_row<kScore, 1>(logits, bias, num_experts, ws.scores, ws.biased, top);
+      return score_row<kScore, 1>(logits, bias, num_experts, scores, biased, top);
     case 2:
-      return score_row<kScore, 2>(logits, bias, num_experts, ws.scores, ws.biased, top);
+      return score_row<kScore, 2>(logits, bias, num_experts, scores, biased, top);
     default:
-      return score_row<kScore, 0>(logits, bias, num_experts, ws.scores, ws.biased, top);
+      return score_row<kScore, 0>(logits, bias, num_experts, scores, biased, top);
   }
 }
+
+// A scored row: its scores s, its biased scores b (s itself where b = s) and, with every
+// group kept, its lanes' top-2 of b.
+struct ScoredRow {
+  const float* s;
+  const float* b;
+  LaneTop2 top;
+};
 
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
 void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
@@ -613,34 +636,41 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
   // With every group kept the floor comes from lanes tracked while scoring.
   const int track = !all_groups_kept || topk > 2 * W ? 0 : topk <= kLaneMaxK ? 1 : 2;
 
-  for (int64_t t = row_begin; t < row_end; ++t) {
+  // Step 1 of row t, into workspace slot t % 2.
+  auto score_token = [&](int64_t t) {
+    const int slot = int(t & 1);
+    ScoredRow r;
+    r.s = ws.scores[slot];
     const LogitT* row = logits_base + t * p.gating_row_stride;
-    LaneTop2 top;
-    const float* b;  // the row's biased scores
     if (p.gating_col_stride != 1) {
       // Column-strided logits: widen this row into the workspace, then read it contiguously.
       for (int64_t e = 0; e < num_experts; ++e) {
         ws.row[e] = to_float(row[e * p.gating_col_stride]);
       }
-      b = score_row_tracked<kScore, float, BiasT>(ws.row, bias, num_experts, track, ws, top);
+      r.b = score_row_tracked<kScore, float, BiasT>(ws.row, bias, num_experts, track,
+                                                    ws.scores[slot], ws.biased[slot], r.top);
     } else {
-      b = score_row_tracked<kScore, LogitT, BiasT>(row, bias, num_experts, track, ws, top);
+      r.b = score_row_tracked<kScore, LogitT, BiasT>(row, bias, num_experts, track,
+                                                     ws.scores[slot], ws.biased[slot], r.top);
     }
+    return r;
+  };
 
+  // Steps 2 to 4 and the outputs of row t.
+  auto select_token = [&](int64_t t, const ScoredRow& r) {
+    const float* b = r.b;
     const ExpertRange all{0, num_experts};
     const ExpertRange* ranges = &all;
     int64_t num_ranges = 1;
     float floor;
     if (!all_groups_kept) {
-      score_groups<has_bias>(b, num_groups, group_size, ws.group_scores,
-                             ws.group_seconds);
-      num_ranges = kept_ranges(ws.group_scores, num_groups, group_size, p.topk_group, ws);
+      const bool second_floor = topk <= 2 * p.topk_group;
+      num_ranges = keep_groups<has_bias>(b, num_groups, group_size, p.topk_group, second_floor,
+                                         ws, floor);
       ranges = ws.ranges;
-      floor = topk <= 2 * p.topk_group
-                  ? lowest_kept_second(ws.group_seconds, group_size, ranges, num_ranges)
-                  : candidate_floor(b, ranges, num_ranges, topk);
+      if (!second_floor) floor = candidate_floor(b, ranges, num_ranges, topk);
     } else if (topk <= 2 * W) {
-      floor = floor_from_lanes(top, topk);
+      floor = floor_from_lanes(r.top, topk);
     } else {
       floor = candidate_floor(b, ranges, num_ranges, topk);
     }
@@ -651,7 +681,7 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
     float sum = 0.0f;
     for (int64_t j = 0; j < topk; ++j) {
       const int64_t expert = ws.chosen[j];
-      const float w = ws.scores[expert];
+      const float w = r.s[expert];
       weights[j] = std::isnan(w) ? 0.0f : w;  // weights come from s, never from b - bias
       ids[j] = int32_t(expert);
       sum += weights[j];
@@ -666,6 +696,19 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       if (p.renormalize) w = w / denom;
       (w * scale).store(weights + j, m);
     }
+  };
+
+  // Software-pipelined: row t + 1 is scored before row t is selected. Scoring is long
+  // independent vector work; selection is a chain of short dependent steps ending in
+  // data-dependent branches. In this order the next row's scoring is older than the
+  // selection in the out-of-order window, so it runs underneath the selection's chain and
+  // survives its mispredicts (which flush only younger work).
+  ScoredRow current = score_token(row_begin);
+  for (int64_t t = row_begin; t < row_end; ++t) {
+    ScoredRow next;
+    if (t + 1 < row_end) next = score_token(t + 1);
+    select_token(t, current);
+    current = next;
   }
 }
 

@@ -20,8 +20,8 @@ constexpr int64_t kCandidateSlack = 16;
 
 // Per-thread scratch, allocated by dispatch.cpp; the kernel allocates nothing.
 struct GroupedTopkWorkspace {
-  float* scores;           // [num_experts] unbiased scores s of the current row
-  float* biased;           // [num_experts] s + bias, NaN replaced by -inf
+  float* scores[2];        // [num_experts] unbiased scores s of rows t and t + 1 (slot t % 2)
+  float* biased[2];        // [num_experts] s + bias, NaN replaced by -inf, the same two rows
   float* row;              // [num_experts] the row widened to fp32, for column-strided logits
   float* bias;             // [num_experts] the bias widened to fp32, for a strided bias
   float* group_scores;     // [num_expert_group + kCandidateSlack]

@@ -120,6 +120,15 @@ struct Vec {
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
+  static float reduce_min(Vec a) {
+    __m128 x = _mm_min_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    x = _mm_min_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_min_ss(x, _mm_movehdup_ps(x)));
+  }
+  // Lane j of a in every lane (a permute: no round trip through memory).
+  static Vec broadcast_lane(Vec a, int64_t j) {
+    return {_mm256_permutevar8x32_ps(a.v, _mm256_set1_epi32(int(j)))};
+  }
   static float reduce_add(Vec a) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));

@@ -72,6 +72,11 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }
 
   static float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+  static float reduce_min(Vec a) { return _mm512_reduce_min_ps(a.v); }
+  // Lane j of a in every lane (a permute: no round trip through memory).
+  static Vec broadcast_lane(Vec a, int64_t j) {
+    return {_mm512_permutexvar_ps(_mm512_set1_epi32(int(j)), a.v)};
+  }
 
   static float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 

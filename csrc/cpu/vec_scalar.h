@@ -52,6 +52,8 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }
 
   static float reduce_max(Vec a) { return a.v; }
+  static float reduce_min(Vec a) { return a.v; }
+  static Vec broadcast_lane(Vec a, int64_t /*j*/) { return a; }
   static float reduce_add(Vec a) { return a.v; }
 
   static Vec count_true(Vec acc, Mask m) { return {m ? acc.v + 1.0f : acc.v}; }
