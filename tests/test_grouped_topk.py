@@ -237,6 +237,102 @@ def test_exp_overflow_and_underflow_ranges(device_isa, scoring_func):
     torch.testing.assert_close(weights.cpu(), ref_weights, rtol=2e-6, atol=1e-44)
 
 
+# ---------------------------------------------------------------------------------------
+# The CPU candidate pass (sqrt-softplus, every group kept): rows are ranked on approximate
+# scores to find the experts that can be chosen, and only those are scored exactly. Its
+# result must be the exact path's bit for bit. Column-strided logits always take the exact
+# path, so the same values in both layouts must route identically.
+# ---------------------------------------------------------------------------------------
+
+
+def _column_strided(logits):
+    wide = torch.zeros(logits.shape[0], 2 * logits.shape[1], dtype=logits.dtype)
+    wide[:, ::2] = logits
+    return wide[:, ::2]
+
+
+def _route_both_layouts(logits, bias, against_reference=True, **kw):
+    if against_reference:
+        got = run_and_check(logits, bias, **kw)
+    else:
+        got = moeext.biased_grouped_topk(logits, bias, **kw)
+    exact = moeext.biased_grouped_topk(_column_strided(logits), bias, **kw)
+    assert torch.equal(got[1], exact[1])
+    # Equal to the bit; an inf logit's row renormalises to NaN on both paths.
+    torch.testing.assert_close(got[0], exact[0], rtol=0, atol=0, equal_nan=True)
+    return got
+
+
+def _clustered_rows(num_tokens, bias, cluster, spread, dtype, seed):
+    """Rows whose ``cluster`` best experts (random ones) have biased scores b within
+    ``spread`` of 3.0 -- far closer than the approximate scores tell apart -- and every other
+    expert's b below 2.3."""
+    g = torch.Generator().manual_seed(seed)
+    num_experts = bias.numel()
+    # b = s + bias, s = sqrt(softplus(x)): x = log(expm1(s^2)) puts s where it is wanted.
+    logits = torch.full((num_tokens, num_experts), -3.0, dtype=torch.float64)
+    logits += torch.rand(num_tokens, num_experts, generator=g, dtype=torch.float64)
+    for row in logits:
+        members = torch.randperm(num_experts, generator=g)[:cluster]
+        wanted = 3.0 - bias.double()[members]
+        wanted += spread * torch.rand(cluster, generator=g, dtype=torch.float64)
+        row[members] = torch.log(torch.expm1(wanted * wanted))
+    return logits.to(dtype)
+
+
+APPROX_SHAPES = [(256, 6), (384, 6), (512, 22), (160, 16), (300, 2), (7, 1)]
+
+
+@pytest.mark.parametrize("num_experts,topk", APPROX_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("bias_dtype", FLOAT_DTYPES + [None])
+def test_candidate_pass_is_the_exact_path(cpu_isa, num_experts, topk, bias_dtype):
+    kw = dict(num_expert_group=1, topk_group=1, topk=topk, scoring_func="sqrtsoftplus",
+              routed_scaling_factor=2.5)
+    for logits_dtype in FLOAT_DTYPES:
+        logits, bias = make_inputs(97, num_experts, logits_dtype, bias_dtype, seed=topk)
+        _route_both_layouts(logits, bias, **kw)
+
+
+@pytest.mark.parametrize("cluster,spread", [(20, 1e-5), (40, 1e-6), (64, 0.0), (100, 1e-5)])
+@pytest.mark.parametrize("num_experts,topk", [(256, 6), (384, 6), (512, 22)])
+def test_candidate_pass_near_ties(cpu_isa, num_experts, topk, cluster, spread):
+    """Clusters of experts whose exact biased scores differ by less than the approximation's
+    error: the approximate order among them is arbitrary, and only the margin below the
+    approximate floor keeps every expert the exact order chooses. 100 candidates are more
+    than the pass ranks: those rows go to the exact path. (Against the reference these rows
+    are near-ties by design, which a 1-ulp difference of exp may reorder: the exact path is
+    the oracle here, and test_presets holds it to the reference.)"""
+    if topk > cluster:
+        pytest.skip("the cluster holds the choice")
+    g = torch.Generator().manual_seed(cluster)
+    bias = 2.0 + 0.05 * torch.randn(num_experts, generator=g)
+    kw = dict(num_expert_group=1, topk_group=1, topk=topk, scoring_func="sqrtsoftplus")
+    logits = _clustered_rows(41, bias, cluster, spread, torch.float32, seed=num_experts)
+    _route_both_layouts(logits, bias, against_reference=False, **kw)
+    _route_both_layouts(logits.bfloat16(), bias.bfloat16(), against_reference=False, **kw)
+
+
+def test_candidate_pass_rows_it_does_not_cover(cpu_isa):
+    """A logit outside the approximation's range [-16, 16), NaN or inf sends its row to the
+    exact path; a bias that is not finite, or so large that its rounding swamps the scores,
+    the whole call."""
+    kw = dict(num_expert_group=1, topk_group=1, topk=6, scoring_func="sqrtsoftplus")
+    logits, bias = make_inputs(40, 256, torch.float32, torch.float32, seed=3)
+    logits[1, 5] = 16.0
+    logits[2, 7] = -16.0009765625
+    logits[3, 9] = 40.0
+    logits[4, 0] = float("nan")
+    logits[5, 200] = float("inf")
+    logits[6, 17] = 15.999
+    logits[7, 18] = -16.0
+    _route_both_layouts(logits, bias, **kw)
+    infinite = bias.clone()
+    infinite[11] = float("inf")
+    _route_both_layouts(logits, infinite, **kw)
+    _route_both_layouts(logits, bias * 1e6, **kw)
+    _route_both_layouts(logits, bias - 2.0, **kw)
+
+
 def test_bias_dtype_is_read_without_casting(cpu_isa):
     """No aten cast or copy runs for a bias or logits of another dtype (SPEC: no cast pass).
 

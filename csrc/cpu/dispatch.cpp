@@ -127,7 +127,7 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
   const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
   const int64_t chosen_slots = padded(p.topk);
-  const int64_t words = 6 * row_floats + 2 * group_floats + 2 * candidate_slots +
+  const int64_t words = 6 * row_floats + 2 * group_floats + 4 * candidate_slots +
                         chosen_slots;  // 4-byte words
   const int64_t keys = p.topk_group + p.topk;
   const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
@@ -153,9 +153,14 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   ws.candidates = f += group_floats;
   ws.candidate_ids = reinterpret_cast<int32_t*>(f += candidate_slots);
   ws.chosen = ws.candidate_ids + candidate_slots;
+  ws.score_pieces = p.scoring_func == ScoringFunc::kSqrtSoftplus ? &cpu::sqrt_softplus_pieces()
+                                                                 : nullptr;
   ws.group_keys = reinterpret_cast<uint64_t*>(ws.chosen + chosen_slots);
   ws.expert_keys = ws.group_keys + p.topk_group;
   ws.ranges = reinterpret_cast<cpu::ExpertRange*>(ws.expert_keys + p.topk);
+  // Last, so the arrays every path uses keep their places.
+  ws.candidate_scores = reinterpret_cast<float*>(ws.ranges + p.topk_group);
+  ws.candidate_bias = ws.candidate_scores + candidate_slots;
 
   switch (cpu_isa_active()) {
     case CpuIsa::kAvx512Bf16:  // routing has no bf16 dot products: the avx512 copy
@@ -222,4 +227,14 @@ int64_t router_gemm_expert_block() {
   return 1;
 }
 
+namespace cpu {
+
+const ScorePieces& sqrt_softplus_pieces() {
+  // Built here, in code compiled for no particular ISA, once per process (a thread-safe
+  // static): the per-ISA kernel copies only read it.
+  static const ScorePieces pieces = build_sqrt_softplus_pieces();
+  return pieces;
+}
+
+}  // namespace cpu
 }  // namespace moeext

@@ -265,8 +265,8 @@ constexpr int64_t kMaxRankVecs = (kMaxCandidates + W - 1) / W;
 
 // first, where given, holds values[0, W) with -inf past n, as the load would.
 template <int64_t kVecs>
-inline void rank_values(const float* values, int64_t n, Vec* rank,
-                        const Vec* first = nullptr) {
+MOEEXT_ALWAYS_INLINE void rank_values(const float* values, int64_t n, Vec* rank,
+                                      const Vec* first = nullptr) {
   Vec v[kVecs];
   for (int64_t q = 0; q < kVecs; ++q) {
     v[q] = q == 0 && first != nullptr
@@ -287,7 +287,7 @@ inline void rank_values(const float* values, int64_t n, Vec* rank,
 
 // Bit i set where rank i == r: exactly one bit for 0 <= r < n.
 template <int64_t kVecs>
-inline uint64_t rank_position(const Vec* rank, int64_t r) {
+MOEEXT_ALWAYS_INLINE uint64_t rank_position(const Vec* rank, int64_t r) {
   uint64_t bits = 0;
   for (int64_t q = 0; q < kVecs; ++q) {
     bits |= uint64_t(Vec::cmp_eq(rank[q], Vec::set1(float(r)))) << (q * W);
@@ -298,7 +298,8 @@ inline uint64_t rank_position(const Vec* rank, int64_t r) {
 // ws.chosen[0, k) = the candidate ids of ranks 0..k-1; first as for rank_values.
 template <int64_t kVecs>
 struct ChooseRanked {
-  static void run(const GroupedTopkWorkspace& ws, int64_t count, int64_t k, const Vec* first) {
+  MOEEXT_ALWAYS_INLINE static void run(const GroupedTopkWorkspace& ws, int64_t count,
+                                       int64_t k, const Vec* first) {
     Vec rank[kVecs];
     rank_values<kVecs>(ws.candidates, count, rank, first);
     for (int64_t j = 0; j < k; ++j) {
@@ -310,7 +311,7 @@ struct ChooseRanked {
 // Op<kVecs>::run(args...) with kVecs the vector count that covers n ranked values, so that
 // each use of the ranks is unrolled for it and keeps them in registers.
 template <template <int64_t> class Op, typename... Args>
-inline auto with_rank_vecs(int64_t n, Args... args) {
+MOEEXT_ALWAYS_INLINE auto with_rank_vecs(int64_t n, Args... args) {
   switch ((n + W - 1) / W) {
     case 1: return Op<1>::run(args...);
     case 2: return Op<(2 < kMaxRankVecs ? 2 : kMaxRankVecs)>::run(args...);
@@ -507,18 +508,27 @@ inline float candidate_floor(const float* b, const ExpertRange* ranges, int64_t 
                           k);
 }
 
+// The values step 4b packs for the experts of b + e: b's own (x, as loaded).
+struct PackB {
+  Vec operator()(int64_t /*e*/, typename Vec::Mask /*in_range*/, Vec x) const { return x; }
+};
+
 // Step 4b: the experts at or above the floor, in index order, into ws.candidates /
 // ws.candidate_ids, and with kPackFirst the first W of their values into first (-inf past
-// the count). Returns their number, or -1 once there are more than kMaxCandidates.
-template <bool kPackFirst>
-int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num_ranges,
-                          float floor, const GroupedTopkWorkspace& ws, Vec& first) {
+// the count). Returns their number, or -1 once there are more than kMaxCandidates. The
+// values packed are values(e, in_range, x) for the vector x of b at e (b itself by default).
+template <bool kPackFirst, typename Values = PackB>
+MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange* ranges,
+                                               int64_t num_ranges, float floor,
+                                               const GroupedTopkWorkspace& ws, Vec& first,
+                                               Values values = Values()) {
   const Vec f = Vec::set1(floor);
   int64_t count = 0;
   first = Vec::set1(kNegInf);
-  auto pack = [&](Vec x, typename Vec::Mask m, int64_t e) {
-    if (kPackFirst && count < W) first = Vec::append_compressed(first, x, m, int(count));
-    count += Vec::compress_store(x, m, int32_t(e), ws.candidates + count,
+  auto pack = [&](Vec x, typename Vec::Mask in_range, typename Vec::Mask m, int64_t e) {
+    const Vec v = values(e, in_range, x);
+    if (kPackFirst && count < W) first = Vec::append_compressed(first, v, m, int(count));
+    count += Vec::compress_store(v, m, int32_t(e), ws.candidates + count,
                                  ws.candidate_ids + count);
   };
   // A range of up to kShortRange vectors counts as short: for GLM-4.5's 10 vectors the
@@ -532,7 +542,7 @@ int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num
         const auto in_range = Vec::tail_mask(ranges[r].end - e);
         const Vec x = Vec::load(b + e, in_range, kNegInf);
         // >= : a value equal to the floor may still win on a lower index.
-        pack(x, in_range & Vec::cmp_ge(x, f), e);
+        pack(x, in_range, in_range & Vec::cmp_ge(x, f), e);
         if (count > kMaxCandidates) return -1;
       }
     }
@@ -557,7 +567,7 @@ int64_t gather_candidates(const float* b, const ExpertRange* ranges, int64_t num
       const int64_t e = begin + __builtin_ctzll(holds) * W;
       const auto in_range = Vec::tail_mask(stop - e);
       const Vec x = Vec::load(b + e, in_range, kNegInf);
-      pack(x, in_range & Vec::cmp_ge(x, f), e);
+      pack(x, in_range, in_range & Vec::cmp_ge(x, f), e);
       if (count > kMaxCandidates) return -1;
     }
   }
@@ -598,6 +608,114 @@ inline void select_experts(const float* b, const ExpertRange* ranges, int64_t nu
   for (int64_t j = 0; j < k; ++j) ws.chosen[j] = int32_t(key_index(keys[j]));
 }
 
+// The candidate pass: sqrt-softplus rows (DeepSeek-V4) with every group kept.
+//
+// An exact sqrt-softplus score (exp, log1p and sqrt) costs about 20 cycles per vector of 16
+// experts on Zen 5, and all but the few chosen experts' are thrown away. The cubic pieces of
+// cpu/score_pieces.h cost 7 and are within eps = kScoreApproxError of the exact score s. So
+// the row is first ranked on b~ = s~ + bias: with |s~ - s| <= eps, |b~ - b| <= delta = eps +
+// the rounding of the two bias additions. The floor F of b~ (k distinct experts at or above
+// it, from the lanes as in step 4a) has k experts with b >= F - delta, so every expert the
+// exact algorithm chooses has b >= F - delta and b~ >= F - 2 delta. The experts with
+// b~ >= F - 2 delta are scored exactly, with the very operations of the exact path, and
+// ranked as step 4 ranks: the result is the exact path's bit for bit. Rows the pieces do not
+// cover (a logit outside [-16, 16), NaN or inf) and rows with more than kMaxCandidates
+// candidates (near-ties) take the exact path. Sigmoid rows stay exact: their exact score
+// costs 14 cycles a vector, and with the pass Kimi-K2, GLM-4.5 and Nemotron-style rows
+// measured 0.94-1.16x their time, no clear gain.
+
+// Step 1 on the pieces: b~ into approx_b, the lanes tracked as score_row tracks them.
+// Returns false when a logit lies outside the pieces.
+template <int kTrack, typename LogitT, typename BiasT>
+MOEEXT_ALWAYS_INLINE bool approx_score_row(const LogitT* logits, const BiasT* bias,
+                                           int64_t num_experts, const ScorePieces& pieces,
+                                           float* approx_b, LaneTop2& top) {
+  typename Vec::Mask outside = 0;
+  for (int64_t e = 0; e < num_experts; e += W) {
+    const auto m = Vec::tail_mask(num_experts - e);
+    Vec b = Vec::piecewise_cubic(Vec::load(logits + e, m, 0.0f), pieces, outside);
+    if constexpr (!std::is_same_v<BiasT, no_bias_t>) b = b + Vec::load(bias + e, m, 0.0f);
+    b.store(approx_b + e);  // whole vectors: the rows are padded to 16
+    track_lanes<kTrack>(top, Vec::select(m, b, Vec::set1(kNegInf)));
+  }
+  return outside == 0;
+}
+
+inline float bias_at(const no_bias_t* /*bias*/, int64_t /*e*/) { return 0.0f; }
+template <typename BiasT>
+inline float bias_at(const BiasT* bias, int64_t e) { return to_float(bias[e]); }
+
+// Steps 4b and 4c on the candidates of approx_b at or above floor - margin (margin = 2 delta):
+// ws.chosen[0, k) gets the k best experts, best first, and scores[e] the exact score of each
+// candidate e. Returns false, having chosen nothing, when there are too many candidates.
+template <ScoringFunc kScore, typename LogitT, typename BiasT>
+bool select_by_approx(const LogitT* logits, const BiasT* bias, int64_t num_experts, int64_t k,
+                      const float* approx_b, float floor, float margin, float* scores,
+                      const GroupedTopkWorkspace& ws) {
+  const ExpertRange all{0, num_experts};
+  Vec unused;
+  // The candidates' logits, widened, in index order.
+  const int64_t count = gather_candidates<false>(
+      approx_b, &all, 1, floor - margin, ws, unused,
+      [logits](int64_t e, typename Vec::Mask in_range, Vec /*b*/) {
+        return Vec::load(logits + e, in_range, 0.0f);
+      });
+  if (count < 0) return false;
+  for (int64_t i = 0; i < count; ++i) ws.candidate_bias[i] = bias_at(bias, ws.candidate_ids[i]);
+  Vec first = Vec::set1(kNegInf);
+  for (int64_t i = 0; i < count; i += W) {
+    const auto m = Vec::tail_mask(count - i);
+    // score() and the bias sum as score_row and store_biased compute them, lane by lane.
+    const Vec s = score<kScore>(Vec::load(ws.candidates + i, m, 0.0f));
+    Vec b = s;
+    if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
+      b = s + Vec::load(ws.candidate_bias + i, m, 0.0f);
+    }
+    b = Vec::max(b, Vec::set1(kNegInf));
+    s.store(ws.candidate_scores + i);  // whole vectors: the arrays have slack
+    b.store(ws.candidates + i);
+    if (i == 0) first = Vec::select(m, b, Vec::set1(kNegInf));
+  }
+  for (int64_t i = 0; i < count; ++i) scores[ws.candidate_ids[i]] = ws.candidate_scores[i];
+  with_rank_vecs<ChooseRanked>(count, ws, count, k, count <= W ? &first : nullptr);
+  return true;
+}
+
+// 2 delta for a call, or -1 where the bias is not finite: |b~ - b| <= eps plus half an ulp
+// of each rounded sum, at most 2^-23 * (largest |bias| + largest score) for the two.
+template <typename BiasT>
+float approx_margin(const BiasT* bias, int64_t num_experts) {
+  float largest = 0.0f;
+  if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
+    Vec magnitude = Vec::set1(0.0f);
+    typename Vec::Mask not_finite = 0;
+    for (int64_t e = 0; e < num_experts; e += W) {
+      const Vec x = Vec::load(bias + e, Vec::tail_mask(num_experts - e), 0.0f);
+      not_finite |= Vec::is_nan(x - x);  // inf - inf and NaN - NaN are NaN
+      magnitude = Vec::max(magnitude, Vec::max(x, Vec::set1(0.0f) - x));
+    }
+    if (not_finite) return -1.0f;
+    largest = Vec::reduce_max(magnitude);
+  }
+  // sqrt-softplus over the pieces' range stays below sqrt(16 + 1).
+  const float delta = kScoreApproxError + (largest + 4.125f) * 0x1p-22f;
+  return 2.0f * delta;
+}
+
+// Rows of a large T come from L3 or DRAM. The exact path's rows are long enough for the
+// hardware prefetcher to keep up; the candidate pass's are not (DeepSeek-V4-pro rows from
+// DRAM took 1.6x their time from L2). A software prefetch kPrefetchRows rows ahead of the
+// row being scored hides it: they then run as from L2. (The exact path measured the same
+// with it and without.)
+constexpr int64_t kPrefetchRows = 4;
+template <typename LogitT>
+MOEEXT_ALWAYS_INLINE void prefetch_row(const LogitT* row, int64_t num_experts) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < num_experts * int64_t(sizeof(LogitT)); at += 64) {
+    __builtin_prefetch(bytes + at);
+  }
+}
+
 // score_row with the lane tracking picked per call (the same for every row, so the branch
 // predicts); track is 0, 1 or 2 as for kTrack.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
@@ -622,6 +740,49 @@ struct ScoredRow {
   LaneTop2 top;
 };
 
+// The outputs of row t from its chosen experts (ws.chosen) and their scores s.
+MOEEXT_ALWAYS_INLINE void write_row_outputs(const BiasedGroupedTopkParams& p, int64_t t,
+                                            const float* s, const GroupedTopkWorkspace& ws) {
+  float* weights = p.topk_weights + t * p.weights_row_stride;
+  int32_t* ids = p.topk_ids + t * p.ids_row_stride;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < p.topk; ++j) {
+    const int64_t expert = ws.chosen[j];
+    const float w = s[expert];
+    weights[j] = std::isnan(w) ? 0.0f : w;  // weights come from s, never from b - bias
+    ids[j] = int32_t(expert);
+    sum += weights[j];
+  }
+  // The sum above stays sequential (its rounding is part of the result); the divides and
+  // scalings are lane-wise, so a vector does them with the scalar loop's exact results.
+  const Vec scale = Vec::set1(p.routed_scaling_factor);
+  const Vec denom = Vec::set1(sum + 1e-20f);
+  for (int64_t j = 0; j < p.topk; j += W) {
+    const auto m = Vec::tail_mask(p.topk - j);
+    Vec w = Vec::load(weights + j, m, 0.0f);
+    if (p.renormalize) w = w / denom;
+    (w * scale).store(weights + j, m);
+  }
+}
+
+// Rows [row_begin, row_end), software-pipelined: row t + 1 is scored before row t is
+// selected. Scoring is long independent vector work; selection is a chain of short dependent
+// steps ending in data-dependent branches. In this order the next row's scoring is older
+// than the selection in the out-of-order window, so it runs underneath the selection's chain
+// and survives its mispredicts (which flush only younger work).
+template <typename ScoreToken, typename SelectToken>
+MOEEXT_ALWAYS_INLINE void pipeline_rows(int64_t row_begin, int64_t row_end,
+                                        ScoreToken& score_token, SelectToken& select_token) {
+  auto current = score_token(row_begin);
+  for (int64_t t = row_begin; t < row_end; ++t) {
+    decltype(current) next;
+    if (t + 1 < row_end) next = score_token(t + 1);
+    select_token(t, current);
+    current = next;
+  }
+}
+
+// Rows [row_begin, row_end) with exact scores throughout.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
 void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
                 int64_t row_end, const GroupedTopkWorkspace& ws) {
@@ -675,48 +836,80 @@ void route_rows(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row
       floor = candidate_floor(b, ranges, num_ranges, topk);
     }
     select_experts(b, ranges, num_ranges, topk, floor, ws);
-
-    float* weights = p.topk_weights + t * p.weights_row_stride;
-    int32_t* ids = p.topk_ids + t * p.ids_row_stride;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < topk; ++j) {
-      const int64_t expert = ws.chosen[j];
-      const float w = r.s[expert];
-      weights[j] = std::isnan(w) ? 0.0f : w;  // weights come from s, never from b - bias
-      ids[j] = int32_t(expert);
-      sum += weights[j];
-    }
-    // The sum above stays sequential (its rounding is part of the result); the divides and
-    // scalings are lane-wise, so a vector does them with the scalar loop's exact results.
-    const Vec scale = Vec::set1(p.routed_scaling_factor);
-    const Vec denom = Vec::set1(sum + 1e-20f);
-    for (int64_t j = 0; j < topk; j += W) {
-      const auto m = Vec::tail_mask(topk - j);
-      Vec w = Vec::load(weights + j, m, 0.0f);
-      if (p.renormalize) w = w / denom;
-      (w * scale).store(weights + j, m);
-    }
+    write_row_outputs(p, t, r.s, ws);
   };
 
-  // Software-pipelined: row t + 1 is scored before row t is selected. Scoring is long
-  // independent vector work; selection is a chain of short dependent steps ending in
-  // data-dependent branches. In this order the next row's scoring is older than the
-  // selection in the out-of-order window, so it runs underneath the selection's chain and
-  // survives its mispredicts (which flush only younger work).
-  ScoredRow current = score_token(row_begin);
-  for (int64_t t = row_begin; t < row_end; ++t) {
-    ScoredRow next;
-    if (t + 1 < row_end) next = score_token(t + 1);
-    select_token(t, current);
-    current = next;
+  pipeline_rows(row_begin, row_end, score_token, select_token);
+}
+
+// Rows [row_begin, row_end) by the candidate pass (see select_by_approx), pipelined as
+// route_rows is; a row the pass cannot take is routed by route_rows alone. Kept out of
+// route_rows, which compiles as before: with the pass inlined into it, exact rows measured
+// 4-16% slower even where the pass never ran.
+template <ScoringFunc kScore, typename LogitT, typename BiasT>
+[[gnu::noinline]] void route_rows_by_approx(const BiasedGroupedTopkParams& p, const BiasT* bias,
+                                            int64_t row_begin, int64_t row_end, float margin,
+                                            const GroupedTopkWorkspace& ws) {
+  const int64_t num_experts = p.num_experts;
+  const int64_t topk = p.topk;
+  const ScorePieces& pieces = *ws.score_pieces;
+  const LogitT* logits_base = static_cast<const LogitT*>(p.gating_output);
+
+  struct ApproxRow {
+    LaneTop2 top;
+    bool covered = false;
+  };
+  auto score_token = [&](int64_t t) {
+    const LogitT* row = logits_base + t * p.gating_row_stride;
+    if (t + kPrefetchRows < row_end) {
+      prefetch_row(row + kPrefetchRows * p.gating_row_stride, num_experts);
+    }
+    float* approx_b = ws.biased[t & 1];
+    ApproxRow r;
+    r.covered = topk <= kLaneMaxK
+                    ? approx_score_row<1>(row, bias, num_experts, pieces, approx_b, r.top)
+                    : approx_score_row<2>(row, bias, num_experts, pieces, approx_b, r.top);
+    return r;
+  };
+  auto select_token = [&](int64_t t, const ApproxRow& r) {
+    float* scores = ws.scores[t & 1];
+    if (r.covered &&
+        select_by_approx<kScore>(logits_base + t * p.gating_row_stride, bias, num_experts,
+                                 topk, ws.biased[t & 1], floor_from_lanes(r.top, topk),
+                                 margin, scores, ws)) {
+      write_row_outputs(p, t, scores, ws);
+      return;
+    }
+    route_rows<kScore, LogitT, BiasT>(p, bias, t, t + 1, ws);
+  };
+
+  pipeline_rows(row_begin, row_end, score_token, select_token);
+}
+
+// One call's rows: by the candidate pass where it applies (sqrt-softplus, every group kept,
+// a floor from the lanes, contiguous logits to read the candidates' from, a finite bias),
+// else exactly.
+template <ScoringFunc kScore, typename LogitT, typename BiasT>
+void route(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
+           int64_t row_end, const GroupedTopkWorkspace& ws) {
+  if constexpr (kScore == ScoringFunc::kSqrtSoftplus) {
+    if (p.topk_group == p.num_expert_group && p.topk <= 2 * W && p.gating_col_stride == 1 &&
+        ws.score_pieces != nullptr) {
+      const float margin = approx_margin(bias, p.num_experts);
+      if (margin > 0.0f) {
+        route_rows_by_approx<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, margin, ws);
+        return;
+      }
+    }
   }
+  route_rows<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
 }
 
 template <ScoringFunc kScore, typename LogitT>
 void route_rows_for_bias(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
                          const GroupedTopkWorkspace& ws) {
   if (p.correction_bias == nullptr) {
-    route_rows<kScore, LogitT, no_bias_t>(p, nullptr, row_begin, row_end, ws);
+    route<kScore, LogitT, no_bias_t>(p, nullptr, row_begin, row_end, ws);
     return;
   }
   if (p.bias_stride != 1) {
@@ -730,21 +923,21 @@ void route_rows_for_bias(const BiasedGroupedTopkParams& p, int64_t row_begin, in
         case DType::kFloat16: ws.bias[e] = to_float(static_cast<const fp16_t*>(p.correction_bias)[at]); break;
       }
     }
-    route_rows<kScore, LogitT, float>(p, ws.bias, row_begin, row_end, ws);
+    route<kScore, LogitT, float>(p, ws.bias, row_begin, row_end, ws);
     return;
   }
   switch (p.bias_dtype) {
     case DType::kFloat32:
-      route_rows<kScore, LogitT, float>(p, static_cast<const float*>(p.correction_bias),
-                                        row_begin, row_end, ws);
+      route<kScore, LogitT, float>(p, static_cast<const float*>(p.correction_bias), row_begin,
+                                   row_end, ws);
       break;
     case DType::kBFloat16:
-      route_rows<kScore, LogitT, bf16_t>(p, static_cast<const bf16_t*>(p.correction_bias),
-                                         row_begin, row_end, ws);
+      route<kScore, LogitT, bf16_t>(p, static_cast<const bf16_t*>(p.correction_bias),
+                                    row_begin, row_end, ws);
       break;
     case DType::kFloat16:
-      route_rows<kScore, LogitT, fp16_t>(p, static_cast<const fp16_t*>(p.correction_bias),
-                                         row_begin, row_end, ws);
+      route<kScore, LogitT, fp16_t>(p, static_cast<const fp16_t*>(p.correction_bias),
+                                    row_begin, row_end, ws);
       break;
   }
 }

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "cpu/score_pieces.h"
 #include "moeext/grouped_topk.h"
 
 namespace moeext::cpu {
@@ -28,6 +29,10 @@ struct GroupedTopkWorkspace {
   float* group_seconds;    // [num_expert_group + kCandidateSlack] each group's second largest b
   float* candidates;       // [kMaxCandidates + kCandidateSlack] values b of the candidates
   int32_t* candidate_ids;  // [kMaxCandidates + kCandidateSlack] their expert indices
+  float* candidate_scores; // [kMaxCandidates + kCandidateSlack] their exact scores s
+  float* candidate_bias;   // [kMaxCandidates + kCandidateSlack] their biases, widened
+  // The approximate sqrt-softplus scores, for calls of that scoring function (else nullptr).
+  const ScorePieces* score_pieces;
   int32_t* chosen;         // [topk] the chosen experts, best first
   uint64_t* group_keys;    // [topk_group]
   uint64_t* expert_keys;   // [topk]

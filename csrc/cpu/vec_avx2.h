@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 
+#include "cpu/score_pieces.h"
 #include "cpu/types.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
@@ -113,6 +114,29 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) {
     if (m == 0xff) return a;  // folds away for the constant full masks of whole vectors
     return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(lanes(m)))};
+  }
+
+  // The approximate score of cpu/score_pieces.h (see vec_avx512.h); a 16-entry lookup is two
+  // 8-lane permutes and a blend.
+  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, Mask& outside) {
+    const __m256 t =
+        _mm256_fmadd_ps(x.v, _mm256_set1_ps(kPieceScale), _mm256_set1_ps(kPieceOffset));
+    const __m256 whole = _mm256_floor_ps(t);
+    // NaN, inf and huge t give 0x80000000, outside like every piece past 15 or below 0.
+    const __m256i piece = _mm256_cvttps_epi32(whole);
+    const __m256i inside = _mm256_cmpeq_epi32(
+        _mm256_and_si256(piece, _mm256_set1_epi32(~(kScorePieces - 1))), _mm256_setzero_si256());
+    outside |= ~Mask(_mm256_movemask_ps(_mm256_castsi256_ps(inside))) & 0xffu;
+    const __m256 u = _mm256_sub_ps(t, whole);
+    const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(piece, _mm256_set1_epi32(7)));
+    auto lookup = [&](const float* coef) {
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(coef), piece),
+                              _mm256_permutevar8x32_ps(_mm256_load_ps(coef + 8), piece), upper);
+    };
+    __m256 p = lookup(pieces.coef[3]);
+    p = _mm256_fmadd_ps(p, u, lookup(pieces.coef[2]));
+    p = _mm256_fmadd_ps(p, u, lookup(pieces.coef[1]));
+    return {_mm256_fmadd_ps(p, u, lookup(pieces.coef[0]))};
   }
 
   static float reduce_max(Vec a) {

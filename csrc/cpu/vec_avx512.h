@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cpu/score_pieces.h"
 #include "cpu/types.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
@@ -70,6 +71,24 @@ struct Vec {
   static Mask cmp_eq(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
   static Mask is_nan(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
   static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }
+
+  // The approximate score of cpu/score_pieces.h: with t = x * kPieceScale + kPieceOffset, the
+  // cubic of piece floor(t) at u = t - floor(t), each coefficient looked up by one permute.
+  // Lanes whose t is outside [0, 16) (NaN included) are added to outside; their value is
+  // meaningless.
+  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, Mask& outside) {
+    const __m512 t =
+        _mm512_fmadd_ps(x.v, _mm512_set1_ps(kPieceScale), _mm512_set1_ps(kPieceOffset));
+    // Rounded down, so t in (-1, 0) gives -1; NaN, inf and huge t give 0x80000000.
+    const __m512i piece = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    outside |= _mm512_cmpgt_epu32_mask(piece, _mm512_set1_epi32(kScorePieces - 1));
+    // t - floor(t) in one instruction (exact: the fraction bits of t).
+    const __m512 u = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_permutexvar_ps(piece, _mm512_load_ps(pieces.coef[3]));
+    p = _mm512_fmadd_ps(p, u, _mm512_permutexvar_ps(piece, _mm512_load_ps(pieces.coef[2])));
+    p = _mm512_fmadd_ps(p, u, _mm512_permutexvar_ps(piece, _mm512_load_ps(pieces.coef[1])));
+    return {_mm512_fmadd_ps(p, u, _mm512_permutexvar_ps(piece, _mm512_load_ps(pieces.coef[0])))};
+  }
 
   static float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
   static float reduce_min(Vec a) { return _mm512_reduce_min_ps(a.v); }

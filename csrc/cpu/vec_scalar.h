@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu/score_pieces.h"
 #include "cpu/types.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
@@ -50,6 +51,22 @@ struct Vec {
   static Mask is_nan(Vec a) { return std::isnan(a.v); }
   // m ? a : b, lane by lane.
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }
+
+  // The approximate score of cpu/score_pieces.h, the same operations as the vector layers.
+  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, Mask& outside) {
+    const float t = std::fma(x.v, kPieceScale, kPieceOffset);
+    if (!(t >= 0.0f && t < float(kScorePieces))) {  // NaN fails too
+      outside |= 1u;
+      return {0.0f};
+    }
+    const float whole = std::floor(t);
+    const int piece = int(whole);
+    const float u = t - whole;
+    float p = pieces.coef[3][piece];
+    p = std::fma(p, u, pieces.coef[2][piece]);
+    p = std::fma(p, u, pieces.coef[1][piece]);
+    return {std::fma(p, u, pieces.coef[0][piece])};
+  }
 
   static float reduce_max(Vec a) { return a.v; }
   static float reduce_min(Vec a) { return a.v; }
