@@ -1,8 +1,9 @@
-"""Host unit tests of the logic the GPU kernels share with the host (csrc/cuda/*.h).
+"""Host unit tests of the logic the GPU kernels share with the host (csrc/cuda/*.h), and of
+the CPU kernels' host-side pieces (csrc/cpu/score_pieces.h).
 
-Each tests/cpp/test_*.cpp is one program that includes a __host__ __device__ header, checks
-it, and exits non-zero on a failure. They need only a C++ compiler, so they run here on every
-machine, GPU or not, against the very functions the CUDA and HIP kernels call.
+Each tests/cpp/test_*.cpp is one program that includes a header, checks it, and exits
+non-zero on a failure. They need only a C++ compiler, so they run here on every machine, GPU
+or not, against the very functions the kernels call.
 """
 
 import os
