@@ -77,6 +77,30 @@ def test_topologies(device_isa, topology, with_bias, scoring_func):
                       scoring_func=scoring_func)
 
 
+# One kept range longer than the gather's short-range bound (12 vectors): whole vectors and
+# the partial last one are packed apart, and must still arrive in index order. Ranges ending in
+# a partial vector, one starting mid-vector (group 1 of 2 x 300), one of two 64-vector chunks.
+LONG_RANGES = [(1000, 1, 1, 8), (1500, 1, 1, 8), (600, 2, 1, 8), (1000, 4, 1, 16),
+               (1000, 4, 1, 3)]
+
+
+@pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
+@pytest.mark.parametrize("topology", LONG_RANGES, ids=lambda t: "x".join(map(str, t)))
+def test_long_ranges_with_partial_vectors(device_isa, topology, scoring_func):
+    device, _ = device_isa
+    num_experts, num_expert_group, topk_group, topk = topology
+    for logits_dtype, bias_dtype in ((torch.bfloat16, torch.float32), (torch.float32, None)):
+        logits, bias = make_inputs(61, num_experts, logits_dtype, bias_dtype, seed=topk,
+                                   device=device)
+        # On some rows the best experts sit in the range's last, partial vector, tied with one
+        # in its first: without a bias the tie must still go to the lower index.
+        first = num_experts - num_experts // num_expert_group
+        logits[::3, first + 2] = 6.0
+        logits[::3, num_experts - 5:] = 6.0
+        run_and_check(logits, bias, num_expert_group=num_expert_group, topk_group=topk_group,
+                      topk=topk, routed_scaling_factor=2.5, scoring_func=scoring_func)
+
+
 @pytest.mark.parametrize("layout", ["column_stride_2", "transposed", "row_slice"])
 @pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
 def test_non_contiguous(device_isa, layout, logits_dtype):
@@ -280,7 +304,10 @@ def _clustered_rows(num_tokens, bias, cluster, spread, dtype, seed):
     return logits.to(dtype)
 
 
-APPROX_SHAPES = [(256, 6), (384, 6), (512, 22), (160, 16), (300, 2), (7, 1)]
+# (1000, 8) and (1500, 6): the candidates' long range ends in a partial vector, and 1500 spans
+# two 64-vector chunks of the gather.
+APPROX_SHAPES = [(256, 6), (384, 6), (512, 22), (160, 16), (300, 2), (7, 1), (1000, 8),
+                 (1500, 6)]
 
 
 @pytest.mark.parametrize("num_experts,topk", APPROX_SHAPES, ids=lambda v: str(v))

@@ -25,6 +25,16 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int W = Vec::kWidth;
 
+// body(e, mask) for the vectors of experts [begin, end): the whole vectors first, with the
+// full mask a constant (their loads, selects and stores then take no mask, and the loop
+// computes none), then the partial last vector, if any.
+template <typename Body>
+MOEEXT_ALWAYS_INLINE void for_each_vector(int64_t begin, int64_t end, Body body) {
+  int64_t e = begin;
+  for (; e + W <= end; e += W) body(e, Vec::tail_mask(W));
+  if (e < end) body(e, Vec::tail_mask(end - e));
+}
+
 // Value in the high word as an order-preserving unsigned integer (with -0 folded onto +0, so
 // they tie as the float compare says), inverted index in the low word.
 inline uint64_t make_key(float value, int64_t index) {
@@ -525,11 +535,14 @@ MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange
   const Vec f = Vec::set1(floor);
   int64_t count = 0;
   first = Vec::set1(kNegInf);
+  // In locals: the vector stores may alias anything, so members of ws would be read again
+  // after every store.
+  float* const candidates = ws.candidates;
+  int32_t* const candidate_ids = ws.candidate_ids;
   auto pack = [&](Vec x, typename Vec::Mask in_range, typename Vec::Mask m, int64_t e) {
     const Vec v = values(e, in_range, x);
     if (kPackFirst && count < W) first = Vec::append_compressed(first, v, m, int(count));
-    count += Vec::compress_store(v, m, int32_t(e), ws.candidates + count,
-                                 ws.candidate_ids + count);
+    count += Vec::compress_store(v, m, int32_t(e), candidates + count, candidate_ids + count);
   };
   // A range of up to kShortRange vectors counts as short: for GLM-4.5's 10 vectors the
   // marking pass below costs more than it saves (rows 0.96-0.97x the time without it), for 16
@@ -537,11 +550,20 @@ MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange
   constexpr int64_t kShortRange = 12 * W;
   if (num_ranges > 1 || ranges[0].end - ranges[0].begin <= kShortRange) {
     // The kept groups' ranges are short: a compress per vector, no branch on the data.
+    // Whole vectors, then the range's tail: no mask to compute in the loop.
     for (int64_t r = 0; r < num_ranges; ++r) {
-      for (int64_t e = ranges[r].begin; e < ranges[r].end; e += W) {
-        const auto in_range = Vec::tail_mask(ranges[r].end - e);
-        const Vec x = Vec::load(b + e, in_range, kNegInf);
+      const int64_t end = ranges[r].end;
+      int64_t e = ranges[r].begin;
+      for (; e + W <= end; e += W) {
+        const auto all = Vec::tail_mask(W);
+        const Vec x = Vec::load(b + e, all, kNegInf);
         // >= : a value equal to the floor may still win on a lower index.
+        pack(x, all, Vec::cmp_ge(x, f), e);
+        if (count > kMaxCandidates) return -1;
+      }
+      if (e < end) {
+        const auto in_range = Vec::tail_mask(end - e);
+        const Vec x = Vec::load(b + e, in_range, kNegInf);
         pack(x, in_range, in_range & Vec::cmp_ge(x, f), e);
         if (count > kMaxCandidates) return -1;
       }
@@ -557,17 +579,25 @@ MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange
   const int64_t end = ranges[0].end;
   for (int64_t begin = ranges[0].begin; begin < end; begin += kChunk) {
     const int64_t stop = end - begin < kChunk ? end : begin + kChunk;
+    // Whole vectors in both loops, and the chunk's partial last vector (if any) on its own,
+    // after them: the candidates stay in index order, and no mask is computed per vector.
+    const int64_t whole = (stop - begin) / W;
+    const int64_t tail_begin = begin + whole * W;
+    const auto all = Vec::tail_mask(W);
     uint64_t holds = 0;
-    for (int64_t e = begin, i = 0; e < stop; e += W, ++i) {
-      const auto in_range = Vec::tail_mask(stop - e);
-      const auto m = in_range & Vec::cmp_ge(Vec::load(b + e, in_range, kNegInf), f);
-      holds |= uint64_t(m != 0) << i;
+    for (int64_t i = 0; i < whole; ++i) {
+      holds |= uint64_t(Vec::cmp_ge(Vec::load(b + begin + i * W, all, kNegInf), f) != 0) << i;
     }
     for (; holds != 0; holds &= holds - 1) {
       const int64_t e = begin + __builtin_ctzll(holds) * W;
-      const auto in_range = Vec::tail_mask(stop - e);
-      const Vec x = Vec::load(b + e, in_range, kNegInf);
-      pack(x, in_range, in_range & Vec::cmp_ge(x, f), e);
+      const Vec x = Vec::load(b + e, all, kNegInf);
+      pack(x, all, Vec::cmp_ge(x, f), e);
+      if (count > kMaxCandidates) return -1;
+    }
+    if (tail_begin < stop) {
+      const auto in_range = Vec::tail_mask(stop - tail_begin);
+      const Vec x = Vec::load(b + tail_begin, in_range, kNegInf);
+      pack(x, in_range, in_range & Vec::cmp_ge(x, f), tail_begin);
       if (count > kMaxCandidates) return -1;
     }
   }
@@ -631,13 +661,12 @@ MOEEXT_ALWAYS_INLINE bool approx_score_row(const LogitT* logits, const BiasT* bi
                                            int64_t num_experts, const ScorePieces& pieces,
                                            float* approx_b, LaneTop2& top) {
   typename Vec::Mask outside = 0;
-  for (int64_t e = 0; e < num_experts; e += W) {
-    const auto m = Vec::tail_mask(num_experts - e);
+  for_each_vector(0, num_experts, [&](int64_t e, typename Vec::Mask m) {
     Vec b = Vec::piecewise_cubic(Vec::load(logits + e, m, 0.0f), pieces, outside);
     if constexpr (!std::is_same_v<BiasT, no_bias_t>) b = b + Vec::load(bias + e, m, 0.0f);
     b.store(approx_b + e);  // whole vectors: the rows are padded to 16
     track_lanes<kTrack>(top, Vec::select(m, b, Vec::set1(kNegInf)));
-  }
+  });
   return outside == 0;
 }
 
