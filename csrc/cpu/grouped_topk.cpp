@@ -284,10 +284,11 @@ MOEEXT_ALWAYS_INLINE void rank_values(const float* values, int64_t n, Vec* rank,
                : Vec::load(values + q * W, Vec::tail_mask(n - q * W), kNegInf);
     rank[q] = Vec::set1(0.0f);
   }
+  // Positions after j, where a value equal to values[j] loses to it.
+  uint64_t after = ~uint64_t(0);
   for (int64_t j = 0; j < n; ++j) {
     const Vec vj = Vec::set1(values[j]);
-    // Positions after j, where a value equal to values[j] loses to it.
-    const uint64_t after = j + 1 < 64 ? ~uint64_t(0) << (j + 1) : 0;
+    after <<= 1;
     for (int64_t q = 0; q < kVecs; ++q) {
       rank[q] = Vec::count_beaten(rank[q], vj, v[q], typename Vec::Mask(after >> (q * W)),
                                   j - q * W + 1);
