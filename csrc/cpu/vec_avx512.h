@@ -81,7 +81,9 @@ struct Vec {
         _mm512_fmadd_ps(x.v, _mm512_set1_ps(kPieceScale), _mm512_set1_ps(kPieceOffset));
     // Rounded down, so t in (-1, 0) gives -1; NaN, inf and huge t give 0x80000000.
     const __m512i piece = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    outside |= _mm512_cmpgt_epu32_mask(piece, _mm512_set1_epi32(kScorePieces - 1));
+    // kor: the running mask stays in a mask register (|= took it through a general one).
+    outside = _kor_mask16(outside,
+                          _mm512_cmpgt_epu32_mask(piece, _mm512_set1_epi32(kScorePieces - 1)));
     // t - floor(t) in one instruction (exact: the fraction bits of t).
     const __m512 u = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 p = _mm512_permutexvar_ps(piece, _mm512_load_ps(pieces.coef[3]));
