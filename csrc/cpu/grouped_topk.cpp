@@ -551,7 +551,9 @@ MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange
   constexpr int64_t kShortRange = 12 * W;
   if (num_ranges > 1 || ranges[0].end - ranges[0].begin <= kShortRange) {
     // The kept groups' ranges are short: a compress per vector, no branch on the data.
-    // Whole vectors, then the range's tail: no mask to compute in the loop.
+    // Whole vectors, then the range's tail: no mask to compute in the loop. (The load, pack
+    // and count check are written out at each of their four places: through one lambda,
+    // GLM-4.5 rows took 1.2-1.3x the time and DeepSeek-V3, Kimi-K2 and V2 rows 1.03-1.16x.)
     for (int64_t r = 0; r < num_ranges; ++r) {
       const int64_t end = ranges[r].end;
       int64_t e = ranges[r].begin;
