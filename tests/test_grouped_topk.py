@@ -359,6 +359,58 @@ def test_candidate_pass_rows_it_does_not_cover(cpu_isa):
     _route_both_layouts(logits, bias - 2.0, **kw)
 
 
+# Rows in lanes (AVX-512; softmax without a bias, up to 256 experts, 16 groups and topk 8):
+# 16 rows at a time, checked bit for bit against the row-at-a-time path that column-strided
+# logits take. 53 rows: three blocks and five rows after them.
+LANE_TOPOLOGIES = [
+    # num_experts, num_expert_group, topk_group, topk
+    (160, 8, 3, 6),  # DeepSeek-V2
+    (256, 16, 5, 8),
+    (250, 10, 10, 7),  # every group kept, a partial last vector
+    (256, 1, 1, 8),
+    (64, 1, 1, 1),
+    (48, 4, 2, 5),
+    (7, 7, 3, 2),  # groups of one expert
+    (16, 2, 1, 8),  # topk == the kept group's size
+]
+
+
+@pytest.mark.parametrize("topology", LANE_TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
+def test_rows_in_lanes_are_the_row_path(cpu_isa, topology):
+    num_experts, num_expert_group, topk_group, topk = topology
+    kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
+              scoring_func="softmax", routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(num_experts + topk)
+    for dtype in FLOAT_DTYPES:
+        logits = torch.randn(53, num_experts, generator=g) * 2
+        logits[3] = float("nan")
+        logits[17, ::3] = float("nan")
+        logits[20, 1] = float("inf")
+        logits[33] = float("-inf")
+        logits[34, num_experts // 2 :] = float("-inf")
+        logits[40] = 0.0
+        logits[50, 0] = 100.0  # every other score underflows to 0: ties
+        logits = logits.to(dtype)
+        # Values from a tiny set: ties inside and across groups, in every row.
+        ties = torch.randint(-2, 3, (53, num_experts), generator=g).to(dtype)
+        for renormalize in (True, False):
+            _route_both_layouts(logits, None, renormalize=renormalize, **kw)
+            _route_both_layouts(ties, None, against_reference=False, renormalize=renormalize,
+                                **kw)
+            run_and_check(ties, None, strict=True, renormalize=renormalize, **kw)
+    # Row-strided logits (still in lanes), and the _out form into a wider buffer.
+    wide = (torch.randn(40, 2 * num_experts + 3, generator=g) * 2).bfloat16()
+    logits = wide[:, 3 : 3 + num_experts]
+    expected = _route_both_layouts(logits, None, **kw)
+    weights_buf = torch.full((40, topk + 2), -7.0)
+    ids_buf = torch.full((40, topk + 2), -7, dtype=torch.int32)
+    moeext.biased_grouped_topk_out(logits, None, weights_buf[:, :topk], ids_buf[:, :topk],
+                                   num_expert_group, topk_group, True, 2.5, "softmax")
+    assert bool((weights_buf[:, topk:] == -7.0).all()) and bool((ids_buf[:, topk:] == -7).all())
+    assert torch.equal(ids_buf[:, :topk], expected[1])
+    assert torch.equal(weights_buf[:, :topk], expected[0])
+
+
 def test_bias_dtype_is_read_without_casting(cpu_isa):
     """No aten cast or copy runs for a bias or logits of another dtype (SPEC: no cast pass).
 

@@ -2,6 +2,7 @@
 // each call to the copy of a kernel compiled for that instruction set. Compiled with the
 // baseline flags only: nothing here may execute an AVX-512 instruction.
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -120,15 +121,18 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   if (row_begin >= row_end) return;
   // Six float rows of num_experts (padded to whole 16-lane vectors), the groups' scores and
   // second largest values, the candidate buffers, the key arrays, the kept groups' expert
-  // ranges. The float arrays are whole multiples of 16 lanes, so each starts a cache line
-  // after the buffer's start.
+  // ranges, and for rows in lanes kLaneRows rows of scores. The float arrays are whole
+  // multiples of 16 lanes, so each starts a cache line after the buffer's start.
   auto padded = [](int64_t n) { return (n + 15) / 16 * 16; };
   const int64_t row_floats = padded(p.num_experts);
   const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
   const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
   const int64_t chosen_slots = padded(p.topk);
+  const bool lane_rows = p.scoring_func == ScoringFunc::kSoftmax &&
+                         p.correction_bias == nullptr && p.num_experts <= cpu::kLaneMaxExperts;
+  const int64_t lane_floats = lane_rows ? cpu::kLaneRows * row_floats + 16 : 0;  // + alignment
   const int64_t words = 6 * row_floats + 2 * group_floats + 4 * candidate_slots +
-                        chosen_slots;  // 4-byte words
+                        chosen_slots + lane_floats;  // 4-byte words
   const int64_t keys = p.topk_group + p.topk;
   const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
                         p.topk_group * int64_t(sizeof(cpu::ExpertRange));
@@ -161,6 +165,12 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   // Last, so the arrays every path uses keep their places.
   ws.candidate_scores = reinterpret_cast<float*>(ws.ranges + p.topk_group);
   ws.candidate_bias = ws.candidate_scores + candidate_slots;
+  // Its rows start on cache lines: they are read and written back a whole vector at a time.
+  ws.lane_rows = nullptr;
+  if (lane_rows) {
+    const auto end = reinterpret_cast<uintptr_t>(ws.candidate_bias + candidate_slots);
+    ws.lane_rows = reinterpret_cast<float*>((end + 63) / 64 * 64);
+  }
 
   switch (cpu_isa_active()) {
     case CpuIsa::kAvx512Bf16:  // routing has no bf16 dot products: the avx512 copy

@@ -116,9 +116,10 @@ inline void store_biased(Vec s, const BiasT* bias, int64_t e, typename Vec::Mask
 // products (as torch's softmax computes it) saves it the vector divides, which queue on the
 // divider. Together DeepSeek-V2 rows take 0.95x the time; either change alone measured none.
 // Returns whether the row is free of NaN (no NaN logit, and a finite maximum: +inf - +inf and
-// -inf - -inf are NaN).
+// -inf - -inf are NaN). Vector i of the scores goes to scores + i * vector_stride.
 template <int kVecs, typename LogitT>
-bool softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scores) {
+bool softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scores,
+                          int64_t vector_stride) {
   // The last vector's lanes in the row, 1..W of them; a shift, not tail_mask's branches
   // (along which GCC copies the whole function).
   const auto last = typename Vec::Mask((uint32_t(1) << (num_experts - (kVecs - 1) * W)) - 1u);
@@ -141,7 +142,7 @@ bool softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scor
     sum = sum + x[i];
   }
   const Vec inverse = Vec::set1(1.0f / Vec::reduce_add(sum));
-  for (int i = 0; i < kVecs; ++i) (x[i] * inverse).store(scores + i * W);
+  for (int i = 0; i < kVecs; ++i) (x[i] * inverse).store(scores + i * vector_stride);
   return std::isfinite(max_value);
 }
 
@@ -151,7 +152,7 @@ bool softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scor
 constexpr int kMaxSoftmaxVecs = W == 16 ? 16 : W == 8 ? 8 : 0;
 
 template <typename LogitT>
-using SoftmaxFn = bool (*)(const LogitT*, int64_t, float*);
+using SoftmaxFn = bool (*)(const LogitT*, int64_t, float*, int64_t);
 
 template <typename LogitT, int... I>
 constexpr std::array<SoftmaxFn<LogitT>, sizeof...(I)> softmax_table(
@@ -174,7 +175,7 @@ const float* score_row(const LogitT* logits, const BiasT* bias, int64_t num_expe
     if constexpr (kMaxSoftmaxVecs > 0) {
       if (num_experts <= kMaxSoftmaxVecs * W) {
         const bool no_nan =
-            kSoftmaxRows<LogitT>[(num_experts + W - 1) / W - 1](logits, num_experts, scores);
+            kSoftmaxRows<LogitT>[(num_experts + W - 1) / W - 1](logits, num_experts, scores, W);
         if (std::is_same_v<BiasT, no_bias_t> && no_nan) {
           if constexpr (kTrack > 0) {
             for (int64_t e = 0; e < num_experts; e += W) {
@@ -918,6 +919,196 @@ template <ScoringFunc kScore, typename LogitT, typename BiasT>
   pipeline_rows(row_begin, row_end, score_token, select_token);
 }
 
+// Rows in lanes, for softmax rows without a bias (DeepSeek-V2): kLaneRows rows at a time,
+// row r in lane r of every vector, so that steps 2 to 4 are lane-wise: a group score is a
+// running maximum, the kept groups come from comparing group scores pairwise, and the topk
+// experts from an insertion into topk sorted slots that every expert of the row passes
+// through, all without a horizontal step, a gather of candidates or a branch on the data.
+// Each row is scored by softmax_in_registers as route_rows scores it, and steps 6 and 7 are
+// write_row_outputs' operations in its order, so the outputs are route_rows' bit for bit.
+// Only where a vector has kLaneRows lanes: on AVX2, whose masks are bit sets, each select of
+// the insertion would first widen its mask into a vector.
+constexpr bool kRowsInLanes = W == kLaneRows;
+constexpr int64_t kLaneMaxTopk = 8;
+constexpr int64_t kLaneMaxGroups = 16;
+
+// The lanes' best K values v so far, best first, and their experts' ids (as floats, exact far
+// past kLaneMaxExperts). x, of expert x_id, goes after every slot it does not beat: experts
+// arrive in index order, so a slot holding an equal value holds a lower index, which wins.
+template <int K>
+MOEEXT_ALWAYS_INLINE void insert_in_lanes(Vec* v, Vec* id, Vec x, Vec x_id) {
+  typename Vec::Mask beats[K];
+  for (int j = 0; j < K; ++j) beats[j] = Vec::cmp_gt(x, v[j]);
+  // The slots are sorted, so a lane where x beats slot j - 1 beats slot j too: there slot
+  // j takes slot j - 1's value, where x beats slot j only, x.
+  for (int j = K - 1; j > 0; --j) {
+    v[j] = Vec::select(beats[j - 1], v[j - 1], Vec::select(beats[j], x, v[j]));
+    id[j] = Vec::select(beats[j - 1], id[j - 1], Vec::select(beats[j], x_id, id[j]));
+  }
+  v[0] = Vec::select(beats[0], x, v[0]);
+  id[0] = Vec::select(beats[0], x_id, id[0]);
+}
+
+// Step 4 where not every group is kept: lane by lane, expert i of the q-th kept group (in
+// group order) is picked from the groups' expert i by selects, for q and then i in order,
+// so that each lane meets its kept experts in index order. (A gather per expert instead cost
+// 16 cycles on Zen 5: DeepSeek-V2 rows 1.1x the time.) kGroups is num_groups where it is a
+// compile-time count, else 0.
+template <int kGroups, int K>
+MOEEXT_ALWAYS_INLINE void insert_kept_groups(
+    const float* lanes, int64_t num_groups_at_run_time, int64_t group_size, int64_t topk_group,
+    const typename Vec::Mask (*keeps)[kLaneMaxGroups], Vec* v, Vec* id) {
+  const int64_t num_groups = kGroups > 0 ? kGroups : num_groups_at_run_time;
+  for (int64_t q = 0; q < topk_group; ++q) {
+    Vec x_id = Vec::set1(0.0f);  // the group's first expert
+    for (int64_t g = 1; g < num_groups; ++g) {
+      x_id = Vec::select(keeps[q][g], Vec::set1(float(g * group_size)), x_id);
+    }
+    for (int64_t i = 0; i < group_size; ++i) {
+      Vec x = Vec::load(lanes + i * W);
+      for (int64_t g = 1; g < num_groups; ++g) {
+        x = Vec::select(keeps[q][g], Vec::load(lanes + (g * group_size + i) * W), x);
+      }
+      insert_in_lanes<K>(v, id, x, x_id);
+      x_id = x_id + Vec::set1(1.0f);
+    }
+  }
+}
+
+// Rows [t0, t0 + W), K = topk. V is Vec, a parameter so that the layers this path does not
+// run on (AVX2, scalar) need no transpose: only the AVX-512 copy instantiates this.
+template <int K, typename LogitT, typename V = Vec>
+void route_lane_block(const BiasedGroupedTopkParams& p, int64_t t0,
+                      const GroupedTopkWorkspace& ws) {
+  const int64_t num_experts = p.num_experts;
+  const int64_t num_groups = p.num_expert_group;
+  const int64_t topk_group = p.topk_group;
+  const int64_t group_size = num_experts / num_groups;
+  const int64_t num_vecs = (num_experts + W - 1) / W;
+  const LogitT* logits = static_cast<const LogitT*>(p.gating_output) + t0 * p.gating_row_stride;
+  float* const lanes = ws.lane_rows;
+
+  // Step 1: vector i of row r's scores to lanes + (i * W + r) * W, so that each W x W tile,
+  // transposed in place, leaves expert e's scores of the W rows at lanes + e * W. A softmax
+  // scores in [0, 1], so -1 can stand for a NaN score (b = -inf in the contract: below every
+  // score, equal to the others), and -inf is free to fill what nothing may beat.
+  const auto softmax = kSoftmaxRows<LogitT>[num_vecs - 1];
+  for (int64_t r = 0; r < W; ++r) {
+    softmax(logits + r * p.gating_row_stride, num_experts, lanes + r * W, W * W);
+  }
+  for (int64_t i = 0; i < num_vecs; ++i) {
+    float* const tile = lanes + i * W * W;
+    Vec rows[W];
+    for (int64_t r = 0; r < W; ++r) rows[r] = Vec::load(tile + r * W);
+    V::transpose(rows);
+    for (int64_t l = 0; l < W; ++l) Vec::max(rows[l], Vec::set1(-1.0f)).store(tile + l * W);
+  }
+
+  // Steps 2 and 3: group maxima; a group is kept where fewer than topk_group groups beat it
+  // (ties to the lower group index).
+  Vec group_score[kLaneMaxGroups];
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const float* x = lanes + g * group_size * W;
+    Vec m = Vec::load(x);
+    for (int64_t i = 1; i < group_size; ++i) m = Vec::max(m, Vec::load(x + i * W));
+    group_score[g] = m;
+  }
+  // keeps[q][g]: the lanes whose q-th kept group (in group order) is g.
+  typename Vec::Mask keeps[kLaneMaxGroups][kLaneMaxGroups];
+  Vec kept_before = Vec::set1(0.0f);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    Vec beaten_by = Vec::set1(0.0f);
+    for (int64_t h = 0; h < num_groups; ++h) {
+      if (h == g) continue;
+      beaten_by = Vec::count_true(beaten_by, h < g ? Vec::cmp_ge(group_score[h], group_score[g])
+                                                   : Vec::cmp_gt(group_score[h], group_score[g]));
+    }
+    const auto kept = Vec::cmp_lt(beaten_by, Vec::set1(float(topk_group)));
+    for (int64_t q = 0; q < topk_group; ++q) {
+      keeps[q][g] = kept & Vec::cmp_eq(kept_before, Vec::set1(float(q)));
+    }
+    kept_before = Vec::count_true(kept_before, kept);
+  }
+
+  // Step 4: the kept groups' experts, lane by lane in index order, through the slots (they
+  // hold at least K experts, so every slot fills).
+  Vec v[K], id[K];
+  for (int j = 0; j < K; ++j) {
+    v[j] = Vec::set1(kNegInf);
+    id[j] = Vec::set1(0.0f);
+  }
+  if (topk_group == num_groups) {
+    Vec x_id = Vec::set1(0.0f);
+    for (int64_t e = 0; e < num_experts; ++e) {
+      insert_in_lanes<K>(v, id, Vec::load(lanes + e * W), x_id);
+      x_id = x_id + Vec::set1(1.0f);
+    }
+  } else if (num_groups == 8) {  // DeepSeek-V2 and V3's count: the selects unrolled
+    insert_kept_groups<8, K>(lanes, num_groups, group_size, topk_group, keeps, v, id);
+  } else {
+    insert_kept_groups<0, K>(lanes, num_groups, group_size, topk_group, keeps, v, id);
+  }
+
+  // Steps 6 and 7 (a NaN score, -1 here, weighs 0).
+  Vec w[K];
+  Vec sum = Vec::set1(0.0f);
+  for (int j = 0; j < K; ++j) {
+    w[j] = Vec::max(v[j], Vec::set1(0.0f));
+    sum = sum + w[j];
+  }
+  const Vec denom = sum + Vec::set1(1e-20f);
+  const Vec scale = Vec::set1(p.routed_scaling_factor);
+  alignas(64) float out_weights[K][W];
+  alignas(64) float out_ids[K][W];
+  for (int j = 0; j < K; ++j) {
+    if (p.renormalize) w[j] = w[j] / denom;
+    (w[j] * scale).store(out_weights[j]);
+    id[j].store(out_ids[j]);
+  }
+  for (int64_t r = 0; r < W; ++r) {
+    float* weights = p.topk_weights + (t0 + r) * p.weights_row_stride;
+    int32_t* ids = p.topk_ids + (t0 + r) * p.ids_row_stride;
+    for (int j = 0; j < K; ++j) {
+      weights[j] = out_weights[j][r];
+      ids[j] = int32_t(out_ids[j][r]);
+    }
+  }
+}
+
+template <int K, typename LogitT>
+void route_lane_blocks(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
+                       const GroupedTopkWorkspace& ws) {
+  for (int64_t t = row_begin; t < row_end; t += W) route_lane_block<K, LogitT>(p, t, ws);
+}
+
+// Whole blocks of rows [row_begin, row_end) in lanes, where the call allows it; returns the
+// first row left to route_rows.
+template <ScoringFunc kScore, typename LogitT, typename BiasT>
+int64_t route_in_lanes(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
+                       const GroupedTopkWorkspace& ws) {
+  if constexpr (kRowsInLanes && kScore == ScoringFunc::kSoftmax &&
+                std::is_same_v<BiasT, no_bias_t>) {
+    if (ws.lane_rows == nullptr || p.gating_col_stride != 1 || p.topk > kLaneMaxTopk ||
+        p.num_expert_group > kLaneMaxGroups || p.num_experts > kMaxSoftmaxVecs * W) {
+      return row_begin;
+    }
+    const int64_t end = row_begin + (row_end - row_begin) / W * W;
+    switch (p.topk) {
+      case 1: route_lane_blocks<1, LogitT>(p, row_begin, end, ws); break;
+      case 2: route_lane_blocks<2, LogitT>(p, row_begin, end, ws); break;
+      case 3: route_lane_blocks<3, LogitT>(p, row_begin, end, ws); break;
+      case 4: route_lane_blocks<4, LogitT>(p, row_begin, end, ws); break;
+      case 5: route_lane_blocks<5, LogitT>(p, row_begin, end, ws); break;
+      case 6: route_lane_blocks<6, LogitT>(p, row_begin, end, ws); break;
+      case 7: route_lane_blocks<7, LogitT>(p, row_begin, end, ws); break;
+      default: route_lane_blocks<8, LogitT>(p, row_begin, end, ws); break;
+    }
+    return end;
+  } else {
+    return row_begin;
+  }
+}
+
 // One call's rows: by the candidate pass where it applies (sqrt-softplus, every group kept,
 // a floor from the lanes, contiguous logits to read the candidates' from, a finite bias),
 // else exactly.
@@ -934,7 +1125,8 @@ void route(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begi
       }
     }
   }
-  route_rows<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
+  row_begin = route_in_lanes<kScore, LogitT, BiasT>(p, row_begin, row_end, ws);
+  if (row_begin < row_end) route_rows<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
 }
 
 template <ScoringFunc kScore, typename LogitT>

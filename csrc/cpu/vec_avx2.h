@@ -56,6 +56,7 @@ struct Vec {
     return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m)), bit), bit);
   }
 
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }  // a whole vector
   // Masked loads touch no memory outside m (maskload does not fault there); a full mask takes
   // the plain load.
   static Vec load(const float* p, Mask m, float fill) {

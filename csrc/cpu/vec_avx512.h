@@ -24,6 +24,10 @@ struct Vec {
   static Vec load(const float* p, Mask m, float fill) {
     return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), m, p)};
   }
+  // A whole vector. GCC models this load as the memory it reads; the masked load's builtin
+  // as a read of any memory, so around one, values of local arrays are stored to memory again
+  // (in the rows-in-lanes insertion: 12 stores per expert).
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec load(const bf16_t* p, Mask m, float fill) {
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
     const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -135,6 +139,35 @@ struct Vec {
     const __m512i from = _mm512_sub_epi32(lane, _mm512_set1_epi32(count));
     const Mask place = Mask(((1u << __builtin_popcount(m)) - 1u) << count);
     return {_mm512_mask_permutexvar_ps(acc.v, place, from, _mm512_maskz_compress_ps(m, x.v))};
+  }
+
+  // rows[0, 16) transposed in place: lane j of rows[i] becomes lane i of rows[j]. Pairs of
+  // rows interleaved, then pairs of pairs, then 128-bit lanes twice: 64 shuffles.
+  static void transpose(Vec* rows) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+      a[i] = _mm512_unpacklo_ps(rows[i].v, rows[i + 1].v);
+      a[i + 1] = _mm512_unpackhi_ps(rows[i].v, rows[i + 1].v);
+    }
+    // b[4q + k], 128-bit lane L: rows 4q..4q+3 of column 4L + k.
+    for (int q = 0; q < 4; ++q) {
+      b[4 * q + 0] = _mm512_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
+      b[4 * q + 1] = _mm512_shuffle_ps(a[4 * q], a[4 * q + 2], 0xee);
+      b[4 * q + 2] = _mm512_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
+      b[4 * q + 3] = _mm512_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xee);
+    }
+    for (int k = 0; k < 4; ++k) {
+      a[k] = _mm512_shuffle_f32x4(b[k], b[4 + k], 0x88);
+      a[4 + k] = _mm512_shuffle_f32x4(b[k], b[4 + k], 0xdd);
+      a[8 + k] = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0x88);
+      a[12 + k] = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0xdd);
+    }
+    for (int k = 0; k < 4; ++k) {
+      rows[k].v = _mm512_shuffle_f32x4(a[k], a[8 + k], 0x88);
+      rows[8 + k].v = _mm512_shuffle_f32x4(a[k], a[8 + k], 0xdd);
+      rows[4 + k].v = _mm512_shuffle_f32x4(a[4 + k], a[12 + k], 0x88);
+      rows[12 + k].v = _mm512_shuffle_f32x4(a[4 + k], a[12 + k], 0xdd);
+    }
   }
 
   // Horizontal top-2 of kGroups (8 or 16) groups at once. In: first[g] / second[g] hold,

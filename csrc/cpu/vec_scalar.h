@@ -18,6 +18,7 @@ struct Vec {
   static Vec set1(float x) { return {x}; }
   static Mask tail_mask(int64_t n) { return n > 0 ? 1u : 0u; }
 
+  static Vec load(const float* p) { return {*p}; }  // a whole vector
   template <typename T>
   static Vec load(const T* p, Mask m, float fill) {
     return {m ? to_float(*p) : fill};
