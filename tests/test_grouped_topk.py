@@ -359,12 +359,14 @@ def test_candidate_pass_rows_it_does_not_cover(cpu_isa):
     _route_both_layouts(logits, bias - 2.0, **kw)
 
 
-# Rows in lanes (AVX-512; softmax without a bias, up to 256 experts, 16 groups and topk 8):
-# 16 rows at a time, checked bit for bit against the row-at-a-time path that column-strided
-# logits take. 53 rows: three blocks and five rows after them.
+# Rows in lanes (AVX-512; softmax or sigmoid, up to 256 experts, 16 groups and topk 8, a bias
+# only where every group is kept): 16 rows at a time, checked bit for bit against the
+# row-at-a-time path that column-strided logits take. 53 rows: three blocks and five rows
+# after them.
 LANE_TOPOLOGIES = [
     # num_experts, num_expert_group, topk_group, topk
     (160, 8, 3, 6),  # DeepSeek-V2
+    (160, 1, 1, 8),  # GLM-4.5
     (256, 16, 5, 8),
     (250, 10, 10, 7),  # every group kept, a partial last vector
     (256, 1, 1, 8),
@@ -373,14 +375,25 @@ LANE_TOPOLOGIES = [
     (7, 7, 3, 2),  # groups of one expert
     (16, 2, 1, 8),  # topk == the kept group's size
 ]
+LANE_CASES = [
+    (topology, scoring_func, bias_dtype)
+    for topology in LANE_TOPOLOGIES
+    for scoring_func in ("softmax", "sigmoid")
+    for bias_dtype in [None] + (FLOAT_DTYPES if topology[1] == topology[2] else [])
+]
 
 
-@pytest.mark.parametrize("topology", LANE_TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
-def test_rows_in_lanes_are_the_row_path(cpu_isa, topology):
+@pytest.mark.parametrize(
+    "topology,scoring_func,bias_dtype", LANE_CASES,
+    ids=["x".join(map(str, t)) + f"-{f}-{str(b).replace('torch.', '')}" for t, f, b in LANE_CASES])
+def test_rows_in_lanes_are_the_row_path(cpu_isa, topology, scoring_func, bias_dtype):
     num_experts, num_expert_group, topk_group, topk = topology
     kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
-              scoring_func="softmax", routed_scaling_factor=2.5)
+              scoring_func=scoring_func, routed_scaling_factor=2.5)
     g = torch.Generator().manual_seed(num_experts + topk)
+    bias = None
+    if bias_dtype is not None:
+        bias = (2.0 + 0.05 * torch.randn(num_experts, generator=g)).to(bias_dtype)
     for dtype in FLOAT_DTYPES:
         logits = torch.randn(53, num_experts, generator=g) * 2
         logits[3] = float("nan")
@@ -389,23 +402,31 @@ def test_rows_in_lanes_are_the_row_path(cpu_isa, topology):
         logits[33] = float("-inf")
         logits[34, num_experts // 2 :] = float("-inf")
         logits[40] = 0.0
-        logits[50, 0] = 100.0  # every other score underflows to 0: ties
+        logits[50, 0] = 100.0  # every other softmax score underflows to 0: ties
         logits = logits.to(dtype)
         # Values from a tiny set: ties inside and across groups, in every row.
         ties = torch.randint(-2, 3, (53, num_experts), generator=g).to(dtype)
+        tie_bias = None if bias is None else torch.randint(0, 2, (num_experts,), generator=g)
+        tie_bias = None if bias is None else tie_bias.to(bias_dtype)
         for renormalize in (True, False):
-            _route_both_layouts(logits, None, renormalize=renormalize, **kw)
-            _route_both_layouts(ties, None, against_reference=False, renormalize=renormalize,
-                                **kw)
-            run_and_check(ties, None, strict=True, renormalize=renormalize, **kw)
+            _route_both_layouts(logits, bias, renormalize=renormalize, **kw)
+            _route_both_layouts(ties, tie_bias, against_reference=False,
+                                renormalize=renormalize, **kw)
+            run_and_check(ties, tie_bias, strict=True, renormalize=renormalize, **kw)
+    if bias is not None:
+        # b = -inf and +inf from an infinite bias: -inf experts still fill the slots last.
+        infinite = bias.float().clone()
+        infinite[::5] = float("-inf")
+        infinite[1] = float("inf")
+        _route_both_layouts(logits.float(), infinite, against_reference=False, **kw)
     # Row-strided logits (still in lanes), and the _out form into a wider buffer.
     wide = (torch.randn(40, 2 * num_experts + 3, generator=g) * 2).bfloat16()
     logits = wide[:, 3 : 3 + num_experts]
-    expected = _route_both_layouts(logits, None, **kw)
+    expected = _route_both_layouts(logits, bias, **kw)
     weights_buf = torch.full((40, topk + 2), -7.0)
     ids_buf = torch.full((40, topk + 2), -7, dtype=torch.int32)
-    moeext.biased_grouped_topk_out(logits, None, weights_buf[:, :topk], ids_buf[:, :topk],
-                                   num_expert_group, topk_group, True, 2.5, "softmax")
+    moeext.biased_grouped_topk_out(logits, bias, weights_buf[:, :topk], ids_buf[:, :topk],
+                                   num_expert_group, topk_group, True, 2.5, scoring_func)
     assert bool((weights_buf[:, topk:] == -7.0).all()) and bool((ids_buf[:, topk:] == -7).all())
     assert torch.equal(ids_buf[:, :topk], expected[1])
     assert torch.equal(weights_buf[:, :topk], expected[0])

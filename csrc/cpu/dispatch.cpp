@@ -128,8 +128,7 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
   const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
   const int64_t chosen_slots = padded(p.topk);
-  const bool lane_rows = p.scoring_func == ScoringFunc::kSoftmax &&
-                         p.correction_bias == nullptr && p.num_experts <= cpu::kLaneMaxExperts;
+  const bool lane_rows = p.num_experts <= cpu::kLaneMaxExperts;
   const int64_t lane_floats = lane_rows ? cpu::kLaneRows * row_floats + 16 : 0;  // + alignment
   const int64_t words = 6 * row_floats + 2 * group_floats + 4 * candidate_slots +
                         chosen_slots + lane_floats;  // 4-byte words

@@ -919,13 +919,15 @@ template <ScoringFunc kScore, typename LogitT, typename BiasT>
   pipeline_rows(row_begin, row_end, score_token, select_token);
 }
 
-// Rows in lanes, for softmax rows without a bias (DeepSeek-V2): kLaneRows rows at a time,
-// row r in lane r of every vector, so that steps 2 to 4 are lane-wise: a group score is a
-// running maximum, the kept groups come from comparing group scores pairwise, and the topk
-// experts from an insertion into topk sorted slots that every expert of the row passes
-// through, all without a horizontal step, a gather of candidates or a branch on the data.
-// Each row is scored by softmax_in_registers as route_rows scores it, and steps 6 and 7 are
-// write_row_outputs' operations in its order, so the outputs are route_rows' bit for bit.
+// Rows in lanes: kLaneRows rows at a time, row r in lane r of every vector, so that steps 2
+// to 4 are lane-wise: a group score is a running maximum, the kept groups come from comparing
+// group scores pairwise, and the topk experts from an insertion into topk sorted slots that
+// each row's experts pass through in index order, all without a horizontal step, a gather of
+// candidates or a branch on the data. For softmax and sigmoid rows, without a bias
+// (DeepSeek-V2) or with every group kept (GLM-4.5); with a bias and groups to drop, the group
+// scores are top-2 sums, left to route_rows. Each row is scored by the functions route_rows
+// uses, b and the weights are computed with store_biased's and write_row_outputs' operations
+// in their order, so the outputs are route_rows' bit for bit.
 // Only where a vector has kLaneRows lanes: on AVX2, whose masks are bit sets, each select of
 // the insertion would first widen its mask into a vector.
 constexpr bool kRowsInLanes = W == kLaneRows;
@@ -933,12 +935,15 @@ constexpr int64_t kLaneMaxTopk = 8;
 constexpr int64_t kLaneMaxGroups = 16;
 
 // The lanes' best K values v so far, best first, and their experts' ids (as floats, exact far
-// past kLaneMaxExperts). x, of expert x_id, goes after every slot it does not beat: experts
-// arrive in index order, so a slot holding an equal value holds a lower index, which wins.
+// past kLaneMaxExperts); slots filled..K-1 are empty. x, of expert x_id, goes after every
+// filled slot it does not beat: experts arrive in index order, so a slot holding an equal
+// value holds a lower index, which wins. (Empty slots rather than -inf ones: b may be -inf.)
 template <int K>
-MOEEXT_ALWAYS_INLINE void insert_in_lanes(Vec* v, Vec* id, Vec x, Vec x_id) {
+MOEEXT_ALWAYS_INLINE void insert_in_lanes(Vec* v, Vec* id, Vec x, Vec x_id, int filled = K) {
   typename Vec::Mask beats[K];
-  for (int j = 0; j < K; ++j) beats[j] = Vec::cmp_gt(x, v[j]);
+  for (int j = 0; j < K; ++j) {
+    beats[j] = j < filled ? Vec::cmp_gt(x, v[j]) : Vec::tail_mask(W);
+  }
   // The slots are sorted, so a lane where x beats slot j - 1 beats slot j too: there slot
   // j takes slot j - 1's value, where x beats slot j only, x.
   for (int j = K - 1; j > 0; --j) {
@@ -949,15 +954,29 @@ MOEEXT_ALWAYS_INLINE void insert_in_lanes(Vec* v, Vec* id, Vec x, Vec x_id) {
   id[0] = Vec::select(beats[0], x_id, id[0]);
 }
 
-// Step 4 where not every group is kept: lane by lane, expert i of the q-th kept group (in
-// group order) is picked from the groups' expert i by selects, for q and then i in order,
-// so that each lane meets its kept experts in index order. (A gather per expert instead cost
-// 16 cycles on Zen 5: DeepSeek-V2 rows 1.1x the time.) kGroups is num_groups where it is a
-// compile-time count, else 0.
+// The experts offered to the slots, counted so that the first K fill them.
+template <int K>
+struct LaneSlots {
+  Vec v[K], id[K];
+  int offered = 0;
+  MOEEXT_ALWAYS_INLINE void offer(Vec x, Vec x_id) {
+    if (offered < K) {
+      insert_in_lanes<K>(v, id, x, x_id, offered++);
+    } else {
+      insert_in_lanes<K>(v, id, x, x_id);
+    }
+  }
+};
+
+// Step 4 where not every group is kept (no bias): lane by lane, expert i of the q-th kept
+// group (in group order) is picked from the groups' expert i by selects, for q and then i in
+// order, so that each lane meets its kept experts in index order. (A gather per expert
+// instead cost 16 cycles on Zen 5: DeepSeek-V2 rows 1.1x the time.) kGroups is num_groups
+// where it is a compile-time count, else 0.
 template <int kGroups, int K>
-MOEEXT_ALWAYS_INLINE void insert_kept_groups(
-    const float* lanes, int64_t num_groups_at_run_time, int64_t group_size, int64_t topk_group,
-    const typename Vec::Mask (*keeps)[kLaneMaxGroups], Vec* v, Vec* id) {
+MOEEXT_ALWAYS_INLINE void offer_kept_groups(
+    const float* b, int64_t num_groups_at_run_time, int64_t group_size, int64_t topk_group,
+    const typename Vec::Mask (*keeps)[kLaneMaxGroups], LaneSlots<K>& slots) {
   const int64_t num_groups = kGroups > 0 ? kGroups : num_groups_at_run_time;
   for (int64_t q = 0; q < topk_group; ++q) {
     Vec x_id = Vec::set1(0.0f);  // the group's first expert
@@ -965,21 +984,37 @@ MOEEXT_ALWAYS_INLINE void insert_kept_groups(
       x_id = Vec::select(keeps[q][g], Vec::set1(float(g * group_size)), x_id);
     }
     for (int64_t i = 0; i < group_size; ++i) {
-      Vec x = Vec::load(lanes + i * W);
+      Vec x = Vec::load(b + i * W);
       for (int64_t g = 1; g < num_groups; ++g) {
-        x = Vec::select(keeps[q][g], Vec::load(lanes + (g * group_size + i) * W), x);
+        x = Vec::select(keeps[q][g], Vec::load(b + (g * group_size + i) * W), x);
       }
-      insert_in_lanes<K>(v, id, x, x_id);
+      slots.offer(x, x_id);
       x_id = x_id + Vec::set1(1.0f);
     }
   }
 }
 
+// Step 1 for the rows in lanes: a row's scores as score_row computes them, vector i to
+// scores + i * vector_stride.
+template <ScoringFunc kScore, typename LogitT>
+MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_experts,
+                                            float* scores, int64_t vector_stride) {
+  if constexpr (kScore == ScoringFunc::kSoftmax) {
+    kSoftmaxRows<LogitT>[(num_experts + W - 1) / W - 1](logits, num_experts, scores,
+                                                         vector_stride);
+  } else {
+    for_each_vector(0, num_experts, [&](int64_t e, typename Vec::Mask m) {
+      score<kScore>(Vec::load(logits + e, m, 0.0f)).store(scores + e / W * vector_stride);
+    });
+  }
+}
+
 // Rows [t0, t0 + W), K = topk. V is Vec, a parameter so that the layers this path does not
 // run on (AVX2, scalar) need no transpose: only the AVX-512 copy instantiates this.
-template <int K, typename LogitT, typename V = Vec>
-void route_lane_block(const BiasedGroupedTopkParams& p, int64_t t0,
+template <ScoringFunc kScore, int K, typename LogitT, typename BiasT, typename V = Vec>
+void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t t0,
                       const GroupedTopkWorkspace& ws) {
+  constexpr bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
   const int64_t num_experts = p.num_experts;
   const int64_t num_groups = p.num_expert_group;
   const int64_t topk_group = p.topk_group;
@@ -989,71 +1024,86 @@ void route_lane_block(const BiasedGroupedTopkParams& p, int64_t t0,
   float* const lanes = ws.lane_rows;
 
   // Step 1: vector i of row r's scores to lanes + (i * W + r) * W, so that each W x W tile,
-  // transposed in place, leaves expert e's scores of the W rows at lanes + e * W. A softmax
-  // scores in [0, 1], so -1 can stand for a NaN score (b = -inf in the contract: below every
-  // score, equal to the others), and -inf is free to fill what nothing may beat.
-  const auto softmax = kSoftmaxRows<LogitT>[num_vecs - 1];
+  // transposed in place, leaves expert e's scores of the W rows at lanes + e * W. Without a
+  // bias, b (s with NaN as -inf) takes their place: only the weights need s, and there a NaN
+  // score (b = -inf) weighs 0.
   for (int64_t r = 0; r < W; ++r) {
-    softmax(logits + r * p.gating_row_stride, num_experts, lanes + r * W, W * W);
+    score_row_strided<kScore>(logits + r * p.gating_row_stride, num_experts, lanes + r * W,
+                              W * W);
   }
   for (int64_t i = 0; i < num_vecs; ++i) {
     float* const tile = lanes + i * W * W;
     Vec rows[W];
     for (int64_t r = 0; r < W; ++r) rows[r] = Vec::load(tile + r * W);
     V::transpose(rows);
-    for (int64_t l = 0; l < W; ++l) Vec::max(rows[l], Vec::set1(-1.0f)).store(tile + l * W);
+    for (int64_t l = 0; l < W; ++l) {
+      if (!has_bias) rows[l] = Vec::max(rows[l], Vec::set1(kNegInf));  // NaN gives -inf
+      rows[l].store(tile + l * W);
+    }
   }
 
-  // Steps 2 and 3: group maxima; a group is kept where fewer than topk_group groups beat it
-  // (ties to the lower group index).
-  Vec group_score[kLaneMaxGroups];
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const float* x = lanes + g * group_size * W;
-    Vec m = Vec::load(x);
-    for (int64_t i = 1; i < group_size; ++i) m = Vec::max(m, Vec::load(x + i * W));
-    group_score[g] = m;
-  }
-  // keeps[q][g]: the lanes whose q-th kept group (in group order) is g.
-  typename Vec::Mask keeps[kLaneMaxGroups][kLaneMaxGroups];
-  Vec kept_before = Vec::set1(0.0f);
-  for (int64_t g = 0; g < num_groups; ++g) {
-    Vec beaten_by = Vec::set1(0.0f);
-    for (int64_t h = 0; h < num_groups; ++h) {
-      if (h == g) continue;
-      beaten_by = Vec::count_true(beaten_by, h < g ? Vec::cmp_ge(group_score[h], group_score[g])
-                                                   : Vec::cmp_gt(group_score[h], group_score[g]));
-    }
-    const auto kept = Vec::cmp_lt(beaten_by, Vec::set1(float(topk_group)));
-    for (int64_t q = 0; q < topk_group; ++q) {
-      keeps[q][g] = kept & Vec::cmp_eq(kept_before, Vec::set1(float(q)));
-    }
-    kept_before = Vec::count_true(kept_before, kept);
-  }
-
-  // Step 4: the kept groups' experts, lane by lane in index order, through the slots (they
-  // hold at least K experts, so every slot fills).
-  Vec v[K], id[K];
-  for (int j = 0; j < K; ++j) {
-    v[j] = Vec::set1(kNegInf);
-    id[j] = Vec::set1(0.0f);
-  }
+  LaneSlots<K> slots;
   if (topk_group == num_groups) {
+    // Step 4 over every expert, b = s + bias as store_biased computes it.
     Vec x_id = Vec::set1(0.0f);
     for (int64_t e = 0; e < num_experts; ++e) {
-      insert_in_lanes<K>(v, id, Vec::load(lanes + e * W), x_id);
+      Vec x = Vec::load(lanes + e * W);
+      if constexpr (has_bias) {
+        x = Vec::max(x + Vec::set1(bias_at(bias, e)), Vec::set1(kNegInf));
+      }
+      slots.offer(x, x_id);
       x_id = x_id + Vec::set1(1.0f);
     }
-  } else if (num_groups == 8) {  // DeepSeek-V2 and V3's count: the selects unrolled
-    insert_kept_groups<8, K>(lanes, num_groups, group_size, topk_group, keeps, v, id);
   } else {
-    insert_kept_groups<0, K>(lanes, num_groups, group_size, topk_group, keeps, v, id);
+    // Steps 2 and 3 (no bias): group maxima; a group is kept where fewer than topk_group
+    // groups beat it (ties to the lower group index).
+    Vec group_score[kLaneMaxGroups];
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const float* x = lanes + g * group_size * W;
+      Vec m = Vec::load(x);
+      for (int64_t i = 1; i < group_size; ++i) m = Vec::max(m, Vec::load(x + i * W));
+      group_score[g] = m;
+    }
+    // keeps[q][g]: the lanes whose q-th kept group (in group order) is g.
+    typename Vec::Mask keeps[kLaneMaxGroups][kLaneMaxGroups];
+    Vec kept_before = Vec::set1(0.0f);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      Vec beaten_by = Vec::set1(0.0f);
+      for (int64_t h = 0; h < num_groups; ++h) {
+        if (h == g) continue;
+        beaten_by = Vec::count_true(
+            beaten_by, h < g ? Vec::cmp_ge(group_score[h], group_score[g])
+                             : Vec::cmp_gt(group_score[h], group_score[g]));
+      }
+      const auto kept = Vec::cmp_lt(beaten_by, Vec::set1(float(topk_group)));
+      for (int64_t q = 0; q < topk_group; ++q) {
+        keeps[q][g] = kept & Vec::cmp_eq(kept_before, Vec::set1(float(q)));
+      }
+      kept_before = Vec::count_true(kept_before, kept);
+    }
+    // Step 4: the kept groups hold at least K experts, so every slot fills.
+    if (num_groups == 8) {  // DeepSeek-V2 and V3's count: the selects unrolled
+      offer_kept_groups<8, K>(lanes, num_groups, group_size, topk_group, keeps, slots);
+    } else {
+      offer_kept_groups<0, K>(lanes, num_groups, group_size, topk_group, keeps, slots);
+    }
   }
 
-  // Steps 6 and 7 (a NaN score, -1 here, weighs 0).
+  // Steps 6 and 7, in write_row_outputs' order.
   Vec w[K];
   Vec sum = Vec::set1(0.0f);
   for (int j = 0; j < K; ++j) {
-    w[j] = Vec::max(v[j], Vec::set1(0.0f));
+    if constexpr (has_bias) {
+      // Each lane's chosen expert's s, from where step 1 left it.
+      alignas(64) float ids[W];
+      slots.id[j].store(ids);
+      alignas(64) float s[W];
+      for (int64_t r = 0; r < W; ++r) s[r] = lanes[int64_t(ids[r]) * W + r];
+      w[j] = Vec::load(s);
+      w[j] = Vec::select(Vec::is_nan(w[j]), Vec::set1(0.0f), w[j]);
+    } else {
+      w[j] = Vec::max(slots.v[j], Vec::set1(0.0f));  // b = -inf (a NaN score) weighs 0
+    }
     sum = sum + w[j];
   }
   const Vec denom = sum + Vec::set1(1e-20f);
@@ -1063,7 +1113,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, int64_t t0,
   for (int j = 0; j < K; ++j) {
     if (p.renormalize) w[j] = w[j] / denom;
     (w[j] * scale).store(out_weights[j]);
-    id[j].store(out_ids[j]);
+    slots.id[j].store(out_ids[j]);
   }
   for (int64_t r = 0; r < W; ++r) {
     float* weights = p.topk_weights + (t0 + r) * p.weights_row_stride;
@@ -1075,33 +1125,38 @@ void route_lane_block(const BiasedGroupedTopkParams& p, int64_t t0,
   }
 }
 
-template <int K, typename LogitT>
-void route_lane_blocks(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
-                       const GroupedTopkWorkspace& ws) {
-  for (int64_t t = row_begin; t < row_end; t += W) route_lane_block<K, LogitT>(p, t, ws);
+template <ScoringFunc kScore, int K, typename LogitT, typename BiasT>
+void route_lane_blocks(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
+                       int64_t row_end, const GroupedTopkWorkspace& ws) {
+  for (int64_t t = row_begin; t < row_end; t += W) {
+    route_lane_block<kScore, K, LogitT, BiasT>(p, bias, t, ws);
+  }
 }
 
 // Whole blocks of rows [row_begin, row_end) in lanes, where the call allows it; returns the
 // first row left to route_rows.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
-int64_t route_in_lanes(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
-                       const GroupedTopkWorkspace& ws) {
-  if constexpr (kRowsInLanes && kScore == ScoringFunc::kSoftmax &&
-                std::is_same_v<BiasT, no_bias_t>) {
-    if (ws.lane_rows == nullptr || p.gating_col_stride != 1 || p.topk > kLaneMaxTopk ||
-        p.num_expert_group > kLaneMaxGroups || p.num_experts > kMaxSoftmaxVecs * W) {
+int64_t route_in_lanes(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
+                       int64_t row_end, const GroupedTopkWorkspace& ws) {
+  if constexpr (kRowsInLanes && kScore != ScoringFunc::kSqrtSoftplus) {
+    constexpr bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
+    const bool fits = kScore == ScoringFunc::kSoftmax ? p.num_experts <= kMaxSoftmaxVecs * W
+                                                      : p.num_experts <= kLaneMaxExperts;
+    if (ws.lane_rows == nullptr || !fits || p.gating_col_stride != 1 ||
+        p.topk > kLaneMaxTopk || p.num_expert_group > kLaneMaxGroups ||
+        (has_bias && p.topk_group != p.num_expert_group)) {
       return row_begin;
     }
     const int64_t end = row_begin + (row_end - row_begin) / W * W;
     switch (p.topk) {
-      case 1: route_lane_blocks<1, LogitT>(p, row_begin, end, ws); break;
-      case 2: route_lane_blocks<2, LogitT>(p, row_begin, end, ws); break;
-      case 3: route_lane_blocks<3, LogitT>(p, row_begin, end, ws); break;
-      case 4: route_lane_blocks<4, LogitT>(p, row_begin, end, ws); break;
-      case 5: route_lane_blocks<5, LogitT>(p, row_begin, end, ws); break;
-      case 6: route_lane_blocks<6, LogitT>(p, row_begin, end, ws); break;
-      case 7: route_lane_blocks<7, LogitT>(p, row_begin, end, ws); break;
-      default: route_lane_blocks<8, LogitT>(p, row_begin, end, ws); break;
+      case 1: route_lane_blocks<kScore, 1, LogitT>(p, bias, row_begin, end, ws); break;
+      case 2: route_lane_blocks<kScore, 2, LogitT>(p, bias, row_begin, end, ws); break;
+      case 3: route_lane_blocks<kScore, 3, LogitT>(p, bias, row_begin, end, ws); break;
+      case 4: route_lane_blocks<kScore, 4, LogitT>(p, bias, row_begin, end, ws); break;
+      case 5: route_lane_blocks<kScore, 5, LogitT>(p, bias, row_begin, end, ws); break;
+      case 6: route_lane_blocks<kScore, 6, LogitT>(p, bias, row_begin, end, ws); break;
+      case 7: route_lane_blocks<kScore, 7, LogitT>(p, bias, row_begin, end, ws); break;
+      default: route_lane_blocks<kScore, 8, LogitT>(p, bias, row_begin, end, ws); break;
     }
     return end;
   } else {
@@ -1125,7 +1180,7 @@ void route(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begi
       }
     }
   }
-  row_begin = route_in_lanes<kScore, LogitT, BiasT>(p, row_begin, row_end, ws);
+  row_begin = route_in_lanes<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
   if (row_begin < row_end) route_rows<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
 }
 

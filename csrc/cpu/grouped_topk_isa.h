@@ -16,7 +16,7 @@ struct ExpertRange {
 // Candidates the sorting path of the expert selection ranks at most; rows with more (ties,
 // or topk beyond 32) take the insertion path.
 constexpr int64_t kMaxCandidates = 64;
-// Rows in lanes (softmax without a bias): rows per block, the widest vector's lanes, and the
+// Rows in lanes (cpu/grouped_topk.cpp): rows per block, the widest vector's lanes, and the
 // largest router it takes (the rows' scores then stay in the stack workspace).
 constexpr int64_t kLaneRows = 16;
 constexpr int64_t kLaneMaxExperts = 256;
@@ -41,8 +41,8 @@ struct GroupedTopkWorkspace {
   uint64_t* group_keys;    // [topk_group]
   uint64_t* expert_keys;   // [topk]
   ExpertRange* ranges;     // [topk_group]
-  // [kLaneRows * num_experts padded to 16] the scores of kLaneRows rows, for calls that route
-  // rows in lanes (softmax without a bias, up to kLaneMaxExperts; else nullptr).
+  // [kLaneRows * num_experts padded to 16] the scores of kLaneRows rows, for routing rows in
+  // lanes (routers of up to kLaneMaxExperts; else nullptr).
   float* lane_rows;
 };
 
