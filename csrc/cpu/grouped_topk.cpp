@@ -1061,6 +1061,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     for (int64_t g = 0; g < num_groups; ++g) {
       const float* x = lanes + g * group_size * W;
       Vec m = Vec::load(x);
+#pragma GCC unroll 4
       for (int64_t i = 1; i < group_size; ++i) m = Vec::max(m, Vec::load(x + i * W));
       group_score[g] = m;
     }
