@@ -338,19 +338,24 @@ def test_candidate_pass_near_ties(cpu_isa, num_experts, topk, cluster, spread):
     _route_both_layouts(logits.bfloat16(), bias.bfloat16(), against_reference=False, **kw)
 
 
-def test_candidate_pass_rows_it_does_not_cover(cpu_isa):
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_candidate_pass_rows_it_does_not_cover(cpu_isa, logits_dtype):
     """A logit outside the approximation's range [-16, 16), NaN or inf sends its row to the
     exact path; a bias that is not finite, or so large that its rounding swamps the scores,
-    the whole call."""
+    the whole call. The positions cover even and odd experts of both vectors of a pair
+    (bf16 logits are scored two vectors at a time) and the partial last vector."""
     kw = dict(num_expert_group=1, topk_group=1, topk=6, scoring_func="sqrtsoftplus")
-    logits, bias = make_inputs(40, 256, torch.float32, torch.float32, seed=3)
+    logits, bias = make_inputs(40, 269, logits_dtype, torch.float32, seed=3)
     logits[1, 5] = 16.0
-    logits[2, 7] = -16.0009765625
+    logits[2, 7] = -16.125
     logits[3, 9] = 40.0
     logits[4, 0] = float("nan")
     logits[5, 200] = float("inf")
-    logits[6, 17] = 15.999
+    logits[6, 17] = 15.875
     logits[7, 18] = -16.0
+    logits[8, 266] = 16.0
+    logits[9, 257] = float("-inf")
+    logits[10, 30] = -200.0
     _route_both_layouts(logits, bias, **kw)
     infinite = bias.clone()
     infinite[11] = float("inf")

@@ -69,6 +69,20 @@ struct Vec {
     const __m256i h = _mm256_cvtepu16_epi32(load_halves(p, m));
     return {blend_fill(m, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), fill)};
   }
+  // vec_avx512.h's pair loads on 8 lanes.
+  static constexpr bool kHasBf16Pairs = true;
+  static void load_pair(const bf16_t* p, Vec& even, Vec& odd) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+    odd = {_mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))))};
+  }
+  static void interleave_pair(Vec even, Vec odd, Vec& low, Vec& high) {
+    // Within each 128-bit half: values 0-3 | 8-11 in a, 4-7 | 12-15 in b.
+    const __m256 a = _mm256_unpacklo_ps(even.v, odd.v);
+    const __m256 b = _mm256_unpackhi_ps(even.v, odd.v);
+    low = {_mm256_permute2f128_ps(a, b, 0x20)};
+    high = {_mm256_permute2f128_ps(a, b, 0x31)};
+  }
   static Vec load(const fp16_t* p, Mask m, float fill) {
     return {blend_fill(m, _mm256_cvtph_ps(load_halves(p, m)), fill)};
   }
@@ -119,15 +133,19 @@ struct Vec {
 
   // The approximate score of cpu/score_pieces.h (see vec_avx512.h); a 16-entry lookup is two
   // 8-lane permutes and a blend.
-  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, Mask& outside) {
+  using PiecesSeen = __m256i;
+  static PiecesSeen no_pieces_seen() { return _mm256_setzero_si256(); }
+  static bool all_pieces_inside(PiecesSeen seen) {
+    return _mm256_testz_si256(seen, _mm256_set1_epi32(~(kScorePieces - 1))) != 0;
+  }
+  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, PiecesSeen& pieces_seen) {
     const __m256 t =
         _mm256_fmadd_ps(x.v, _mm256_set1_ps(kPieceScale), _mm256_set1_ps(kPieceOffset));
     const __m256 whole = _mm256_floor_ps(t);
-    // NaN, inf and huge t give 0x80000000, outside like every piece past 15 or below 0.
+    // NaN, inf and huge t give 0x80000000: like every piece past 15 or below 0, a bit above
+    // the low four set.
     const __m256i piece = _mm256_cvttps_epi32(whole);
-    const __m256i inside = _mm256_cmpeq_epi32(
-        _mm256_and_si256(piece, _mm256_set1_epi32(~(kScorePieces - 1))), _mm256_setzero_si256());
-    outside |= ~Mask(_mm256_movemask_ps(_mm256_castsi256_ps(inside))) & 0xffu;
+    pieces_seen = _mm256_or_si256(pieces_seen, piece);
     const __m256 u = _mm256_sub_ps(t, whole);
     const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(piece, _mm256_set1_epi32(7)));
     auto lookup = [&](const float* coef) {

@@ -19,6 +19,17 @@ struct Vec {
   static Mask tail_mask(int64_t n) { return n > 0 ? 1u : 0u; }
 
   static Vec load(const float* p) { return {*p}; }  // a whole vector
+  // vec_avx512.h's pair loads with one lane (values 0 and 1). Off: one lane has no
+  // lane-crossing widen to avoid.
+  static constexpr bool kHasBf16Pairs = false;
+  static void load_pair(const bf16_t* p, Vec& even, Vec& odd) {
+    even = {to_float(p[0])};
+    odd = {to_float(p[1])};
+  }
+  static void interleave_pair(Vec even, Vec odd, Vec& low, Vec& high) {
+    low = even;
+    high = odd;
+  }
   template <typename T>
   static Vec load(const T* p, Mask m, float fill) {
     return {m ? to_float(*p) : fill};
@@ -54,10 +65,13 @@ struct Vec {
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }
 
   // The approximate score of cpu/score_pieces.h, the same operations as the vector layers.
-  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, Mask& outside) {
+  using PiecesSeen = bool;  // true once a value fell outside the pieces
+  static PiecesSeen no_pieces_seen() { return false; }
+  static bool all_pieces_inside(PiecesSeen outside) { return !outside; }
+  static Vec piecewise_cubic(Vec x, const ScorePieces& pieces, PiecesSeen& outside) {
     const float t = std::fma(x.v, kPieceScale, kPieceOffset);
     if (!(t >= 0.0f && t < float(kScorePieces))) {  // NaN fails too
-      outside |= 1u;
+      outside = true;
       return {0.0f};
     }
     const float whole = std::floor(t);

@@ -36,14 +36,15 @@ double worst = 0.0;
 // as outside only where x * 0.5 + 8 rounds up to 16 (x within an ulp of 16), which is safe:
 // the kernel scores such rows exactly.
 void check(const ScorePieces& pieces, float x) {
-  Vec::Mask outside = 0;
-  const float approx = Vec::piecewise_cubic(Vec::set1(x), pieces, outside).v;
+  Vec::PiecesSeen seen = Vec::no_pieces_seen();
+  const float approx = Vec::piecewise_cubic(Vec::set1(x), pieces, seen).v;
+  const bool outside = !Vec::all_pieces_inside(seen);
   const bool inside = x >= -16.0f && x < 16.0f;
   if (!inside) {
-    CHECK(outside != 0, "x = %.9g: not reported outside", double(x));
+    CHECK(outside, "x = %.9g: not reported outside", double(x));
     return;
   }
-  if (outside != 0) {
+  if (outside) {
     CHECK(x > 15.999998f, "x = %.9g: reported outside", double(x));
     return;
   }
