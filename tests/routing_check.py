@@ -136,3 +136,86 @@ def assert_routing_matches(
                 w = w / (w.sum() + 1e-20)
             ref_w[r] = w * routed_scaling_factor
     torch.testing.assert_close(weights, ref_w, rtol=2e-5, atol=1e-6, equal_nan=True)
+
+
+def _scores_float64(gating_output, correction_bias, scoring_func):
+    """s and b = s + bias in float64: the values the fp32 kernels approximate to a few ulps."""
+    x = gating_output.double()
+    if scoring_func == "sigmoid":
+        s = torch.sigmoid(x)
+    elif scoring_func == "sqrtsoftplus":
+        s = torch.sqrt(torch.nn.functional.softplus(x))
+    else:
+        s = torch.softmax(x, dim=-1)
+    b = s if correction_bias is None else s + correction_bias.double()
+    return s, b
+
+
+def assert_valid_routing(weights, ids, gating_output, correction_bias, num_expert_group,
+                         topk_group, topk, renormalize=True, routed_scaling_factor=1.0,
+                         scoring_func="sigmoid", ulps=8):
+    """The oracle for inputs full of near ties, where assert_routing_matches cannot tell a
+    1-ulp difference of exp from a wrong choice: against float64 scores, every comparison may
+    go either way within ``ulps`` fp32 ulps of the row's largest |b|, except between experts
+    (or groups) whose inputs are identical, where the tie rule decides. Checked row by row:
+    the groups of the chosen experts are among the topk_group best, the ids are in
+    descending b, no expert of those groups left out is better than the worst chosen, and the
+    weights are the chosen experts' scores (renormalised, scaled)."""
+    num_tokens, num_experts = gating_output.shape
+    group_size = num_experts // num_expert_group
+    weights, ids = weights.cpu(), ids.cpu().long()
+    gating_output = gating_output.cpu()
+    bias = (torch.zeros(num_experts) if correction_bias is None else correction_bias.cpu()).float()
+    s, b = _scores_float64(gating_output, None if correction_bias is None else bias,
+                           scoring_func)
+    b = torch.where(torch.isnan(b), torch.full_like(b, float("-inf")), b)
+    logits = gating_output.float()
+
+    def identical(r, e, f):
+        x, y = logits[r, e].item(), logits[r, f].item()
+        return (x == y or (x != x and y != y)) and bias[e].item() == bias[f].item()
+
+    for r in range(num_tokens):
+        got = ids[r].tolist()
+        assert len(set(got)) == topk and all(0 <= e < num_experts for e in got), (
+            f"row {r}: ids {got} not distinct and in range")
+        finite = b[r][torch.isfinite(b[r])]
+        if finite.numel() == 0:
+            continue  # all NaN or -inf: any distinct ids in kept groups
+        tol = ulps * 2.0**-23 * max(1.0, finite.abs().max().item())
+        grouped = b[r].view(num_expert_group, group_size)
+        if correction_bias is not None and group_size > 1:
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.amax(-1)
+        group_scores = torch.where(torch.isnan(group_scores),
+                                   torch.full_like(group_scores, float("-inf")), group_scores)
+        groups = sorted({e // group_size for e in got})
+        assert len(groups) <= topk_group, f"row {r}: ids {got} span {len(groups)} groups"
+        for g in groups:
+            better = int((group_scores > group_scores[g] + 2 * tol).sum())
+            assert better < topk_group, (
+                f"row {r}: group {g} chosen with {better} groups clearly better")
+        for j in range(topk - 1):
+            e, f = got[j], got[j + 1]
+            assert b[r, e] >= b[r, f] - tol, (
+                f"row {r}: id {e} (b {b[r, e].item()}) ranked above {f} (b {b[r, f].item()})")
+            assert not (identical(r, e, f) and e > f), (
+                f"row {r}: identical experts {e} and {f} out of index order")
+        worst = min(got, key=lambda e: (b[r, e].item(), -e))
+        for g in groups:
+            for e in range(g * group_size, (g + 1) * group_size):
+                if e in got:
+                    continue
+                assert b[r, e] <= b[r, worst] + tol, (
+                    f"row {r}: expert {e} (b {b[r, e].item()}) left out, better than chosen "
+                    f"{worst} (b {b[r, worst].item()})")
+                assert not (e < worst and identical(r, e, worst)
+                            and torch.isfinite(b[r, e]).item()), (
+                    f"row {r}: expert {e} left out for the identical, higher-numbered {worst}")
+        chosen = s[r, ids[r]]
+        chosen = torch.where(torch.isnan(chosen), torch.zeros_like(chosen), chosen)
+        if renormalize:
+            chosen = chosen / (chosen.sum() + 1e-20)
+        torch.testing.assert_close(weights[r], (chosen * routed_scaling_factor).float(),
+                                   rtol=1e-4, atol=1e-6, equal_nan=True)

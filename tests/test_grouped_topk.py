@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import moeext
 from conftest import DEVICES
 from moeext.presets import PRESETS
-from routing_check import assert_routing_matches
+from routing_check import assert_routing_matches, assert_valid_routing
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -614,3 +614,59 @@ def test_property_matches_reference(device, problem, isa):
     assert w.device == logits.device and ids.device == logits.device
     assert_routing_matches(w, ids, logits, bias, num_expert_group, topk_group, topk,
                            renormalize, scale, scoring_func)
+
+
+@st.composite
+def near_tie_problems(draw):
+    """Rows whose best experts lie within 1e-7 to 1e-3 of each other (many within an ulp of
+    b after scoring), some of them with identical inputs, on every path: groups or not, rows
+    in lanes (16 rows and more), the candidate pass (sqrt-softplus, every group kept)."""
+    num_expert_group = draw(st.sampled_from([1, 1, 2, 4, 8]))
+    group_size = draw(st.sampled_from([8, 16, 20, 32, 48, 64]))
+    num_experts = num_expert_group * group_size
+    topk_group = draw(st.integers(1, num_expert_group))
+    topk = draw(st.integers(1, min(24, topk_group * group_size)))
+    num_tokens = draw(st.sampled_from([1, 5, 16, 23, 40]))
+    logits_dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    bias_kind = draw(st.sampled_from([None, "v3", "rounded"]))
+    scoring_func = draw(st.sampled_from(moeext.reference.SCORING_FUNCS))
+    spread = draw(st.sampled_from([1e-7, 1e-5, 1e-3]))
+    centre = draw(st.sampled_from([-2.0, 0.5, 3.0, 14.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype,
+            bias_kind, scoring_func, spread, centre, seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=near_tie_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
+def test_property_near_ties_are_valid_choices(device, problem, isa):
+    """Near ties the reference's own rounding cannot referee (assert_routing_matches allows a
+    differing row only rarely): every choice must be one float64 scores allow within a few
+    ulps, and identical experts must follow the tie rule."""
+    (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_kind,
+     scoring_func, spread, centre, seed) = problem
+    if isa not in moeext.build_info()["cpu_isas_available"]:
+        isa = "scalar"
+    g = torch.Generator().manual_seed(seed)
+    logits = centre - 3.0 + torch.rand(num_tokens, num_experts, generator=g)
+    for row in logits:
+        members = torch.randperm(num_experts, generator=g)[: 2 * topk + 2]
+        row[members] = centre + spread * torch.randn(members.numel(), generator=g)
+        twins = members[: members.numel() // 3]
+        row[twins] = row[twins[0]].item()  # identical inputs: the tie rule decides among them
+    logits = logits.to(logits_dtype).to(device)
+    bias = None
+    if bias_kind == "v3":
+        bias = (2.0 + 0.05 * torch.randn(num_experts, generator=g)).to(device)
+    elif bias_kind == "rounded":
+        bias = torch.randn(num_experts, generator=g).round().to(device)
+    previous = moeext.cpu_isa()
+    moeext.set_cpu_isa(isa)
+    try:
+        kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
+                  renormalize=True, routed_scaling_factor=2.5, scoring_func=scoring_func)
+        weights, ids = moeext.biased_grouped_topk(logits, bias, **kw)
+    finally:
+        moeext.set_cpu_isa(previous)
+    assert_valid_routing(weights, ids, logits, bias, **kw)
