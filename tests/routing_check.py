@@ -183,13 +183,7 @@ def assert_valid_routing(weights, ids, gating_output, correction_bias, num_exper
         if finite.numel() == 0:
             continue  # all NaN or -inf: any distinct ids in kept groups
         tol = ulps * 2.0**-23 * max(1.0, finite.abs().max().item())
-        grouped = b[r].view(num_expert_group, group_size)
-        if correction_bias is not None and group_size > 1:
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        else:
-            group_scores = grouped.amax(-1)
-        group_scores = torch.where(torch.isnan(group_scores),
-                                   torch.full_like(group_scores, float("-inf")), group_scores)
+        group_scores = _group_scores(b[r][None], correction_bias, num_expert_group)[0]
         groups = sorted({e // group_size for e in got})
         assert len(groups) <= topk_group, f"row {r}: ids {got} span {len(groups)} groups"
         for g in groups:
