@@ -706,10 +706,10 @@ bool select_by_approx(const LogitT* logits, const BiasT* bias, int64_t num_exper
                       const float* approx_b, float floor, float margin, float* scores,
                       const GroupedTopkWorkspace& ws) {
   const ExpertRange all{0, num_experts};
-  Vec unused;
+  Vec packed;  // the first W of them
   // The candidates' logits, widened, in index order.
-  const int64_t count = gather_candidates<false>(
-      approx_b, &all, 1, floor - margin, ws, unused,
+  const int64_t count = gather_candidates<true>(
+      approx_b, &all, 1, floor - margin, ws, packed,
       [logits](int64_t e, typename Vec::Mask in_range, Vec /*b*/) {
         return Vec::load(logits + e, in_range, 0.0f);
       });
@@ -719,7 +719,11 @@ bool select_by_approx(const LogitT* logits, const BiasT* bias, int64_t num_exper
   for (int64_t i = 0; i < count; i += W) {
     const auto m = Vec::tail_mask(count - i);
     // score() and the bias sum as score_row and store_biased compute them, lane by lane.
-    const Vec s = score<kScore>(Vec::load(ws.candidates + i, m, 0.0f));
+    // The first W from the register: loaded back, they would span several of the packing's
+    // stores and wait for them to reach the cache (DeepSeek-V4 rows 0.96-0.97x the time).
+    const Vec x = i == 0 ? Vec::select(m, packed, Vec::set1(0.0f))
+                         : Vec::load(ws.candidates + i, m, 0.0f);
+    const Vec s = score<kScore>(x);
     Vec b = s;
     if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
       b = s + Vec::load(ws.candidate_bias + i, m, 0.0f);
