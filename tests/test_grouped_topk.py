@@ -364,6 +364,34 @@ def test_candidate_pass_rows_it_does_not_cover(cpu_isa, logits_dtype):
     _route_both_layouts(logits, bias - 2.0, **kw)
 
 
+@pytest.mark.parametrize("num_tokens", [16, 17, 31, 48])
+@pytest.mark.parametrize("num_experts,topk", [(384, 6), (256, 6), (100, 3), (7, 1)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16, None])
+def test_candidate_pass_in_lanes_is_the_row_path(cpu_isa, num_tokens, num_experts, topk,
+                                                 bias_dtype):
+    """The candidate pass with 16 rows in lanes (AVX-512) against the row path, bit for bit:
+    a block of identical rows (fewer marked experts than slots), a block with rows the
+    approximation does not cover and near-tie rows among ordinary ones (both left to the row
+    pass), a block of uncovered rows only, and rows after the last whole block."""
+    kw = dict(num_expert_group=1, topk_group=1, topk=topk, scoring_func="sqrtsoftplus",
+              routed_scaling_factor=2.5)
+    logits, bias = make_inputs(num_tokens, num_experts, torch.float32, bias_dtype, seed=topk)
+    logits[:16] = logits[0]  # one row, 16 times
+    if num_tokens >= 32:
+        logits[16, 3] = 16.0  # outside the pieces
+        logits[18, 1] = float("nan")
+        logits[19] = float("-inf")
+        cluster_bias = torch.zeros(num_experts) if bias is None else bias.float()
+        logits[20:23] = _clustered_rows(3, cluster_bias, min(num_experts, topk + 6), 1e-6,
+                                        torch.float32, seed=num_tokens)
+    if num_tokens >= 48:
+        logits[32:48, num_experts // 2] = 20.0  # a block the approximation covers no row of
+    for dtype in FLOAT_DTYPES:
+        _route_both_layouts(logits.to(dtype), bias, against_reference=False, **kw)
+    _route_both_layouts(logits[:16], bias, **kw)
+
+
 # Rows in lanes (AVX-512; softmax or sigmoid, up to 256 experts, 16 groups and topk 8, a bias
 # only where every group is kept): 16 rows at a time, checked bit for bit against the
 # row-at-a-time path that column-strided logits take. 53 rows: three blocks and five rows

@@ -128,15 +128,20 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
   const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
   const int64_t chosen_slots = padded(p.topk);
-  const bool lane_rows = p.num_experts <= cpu::kLaneMaxExperts;
+  const bool lane_rows =
+      p.num_experts <= cpu::kLaneMaxExperts ||
+      (p.scoring_func == ScoringFunc::kSqrtSoftplus &&
+       p.num_experts <= cpu::kApproxLaneMaxExperts && row_end - row_begin >= cpu::kLaneRows);
   const int64_t lane_floats = lane_rows ? cpu::kLaneRows * row_floats + 16 : 0;  // + alignment
   const int64_t words = 6 * row_floats + 2 * group_floats + 4 * candidate_slots +
                         chosen_slots + lane_floats;  // 4-byte words
   const int64_t keys = p.topk_group + p.topk;
   const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
                         p.topk_group * int64_t(sizeof(cpu::ExpertRange));
-  // Routers up to E = 1024 in up to 128 groups stay on the stack: no allocation per call.
-  alignas(64) unsigned char stack_buffer[32 * 1024];
+  // Routers up to E = 1024 in up to 128 groups stay on the stack: no allocation per call;
+  // with rows in lanes, those of up to E = 512 (DeepSeek-V4's 256 and 384 experts need
+  // 24 and 34 KiB).
+  alignas(64) unsigned char stack_buffer[64 * 1024];
   std::unique_ptr<unsigned char[]> heap_buffer;
   unsigned char* buffer = stack_buffer;
   if (bytes > int64_t(sizeof(stack_buffer))) {

@@ -20,6 +20,8 @@ constexpr int64_t kMaxCandidates = 64;
 // largest router it takes (the rows' scores then stay in the stack workspace).
 constexpr int64_t kLaneRows = 16;
 constexpr int64_t kLaneMaxExperts = 256;
+// The candidate pass (sqrt-softplus) takes rows in lanes for routers of up to this many experts.
+constexpr int64_t kApproxLaneMaxExperts = 1024;
 // Slack after each candidate array: compress_store writes whole 16-lane vectors.
 constexpr int64_t kCandidateSlack = 16;
 
