@@ -993,6 +993,35 @@ struct LaneSlots {
   }
 };
 
+// Step 7 and the outputs of rows t0 + r for the lanes r of `rows`, in write_row_outputs'
+// order: w[j] and id[j] hold each lane's j-th weight (before renormalising) and expert id
+// (as a float), for j < k <= kMaxK.
+template <int kMaxK>
+MOEEXT_ALWAYS_INLINE void write_lane_outputs(const BiasedGroupedTopkParams& p, int64_t t0,
+                                             int64_t k, Vec* w, const Vec* id,
+                                             typename Vec::Mask rows) {
+  Vec sum = Vec::set1(0.0f);
+  for (int64_t j = 0; j < k; ++j) sum = sum + w[j];
+  const Vec denom = sum + Vec::set1(1e-20f);
+  const Vec scale = Vec::set1(p.routed_scaling_factor);
+  alignas(64) float out_weights[kMaxK][W];
+  alignas(64) float out_ids[kMaxK][W];
+  for (int64_t j = 0; j < k; ++j) {
+    if (p.renormalize) w[j] = w[j] / denom;
+    (w[j] * scale).store(out_weights[j]);
+    id[j].store(out_ids[j]);
+  }
+  for (int64_t r = 0; r < W; ++r) {
+    if (!((rows >> r) & 1)) continue;
+    float* weights = p.topk_weights + (t0 + r) * p.weights_row_stride;
+    int32_t* ids = p.topk_ids + (t0 + r) * p.ids_row_stride;
+    for (int64_t j = 0; j < k; ++j) {
+      weights[j] = out_weights[j][r];
+      ids[j] = int32_t(out_ids[j][r]);
+    }
+  }
+}
+
 // Step 4 where not every group is kept (no bias): lane by lane, expert i of the q-th kept
 // group (in group order) is picked from the groups' expert i by selects, for q and then i in
 // order, so that each lane meets its kept experts in index order. (A gather per expert
@@ -1115,9 +1144,8 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     }
   }
 
-  // Steps 6 and 7, in write_row_outputs' order.
+  // Steps 6 and 7.
   Vec w[K];
-  Vec sum = Vec::set1(0.0f);
   for (int j = 0; j < K; ++j) {
     if constexpr (has_bias) {
       // Each lane's chosen expert's s, from where step 1 left it.
@@ -1130,25 +1158,8 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     } else {
       w[j] = Vec::max(slots.v[j], Vec::set1(0.0f));  // b = -inf (a NaN score) weighs 0
     }
-    sum = sum + w[j];
   }
-  const Vec denom = sum + Vec::set1(1e-20f);
-  const Vec scale = Vec::set1(p.routed_scaling_factor);
-  alignas(64) float out_weights[K][W];
-  alignas(64) float out_ids[K][W];
-  for (int j = 0; j < K; ++j) {
-    if (p.renormalize) w[j] = w[j] / denom;
-    (w[j] * scale).store(out_weights[j]);
-    slots.id[j].store(out_ids[j]);
-  }
-  for (int64_t r = 0; r < W; ++r) {
-    float* weights = p.topk_weights + (t0 + r) * p.weights_row_stride;
-    int32_t* ids = p.topk_ids + (t0 + r) * p.ids_row_stride;
-    for (int j = 0; j < K; ++j) {
-      weights[j] = out_weights[j][r];
-      ids[j] = int32_t(out_ids[j][r]);
-    }
-  }
+  write_lane_outputs<K>(p, t0, K, w, slots.id, Vec::tail_mask(W));
 }
 
 template <ScoringFunc kScore, int K, typename LogitT, typename BiasT>
@@ -1274,9 +1285,8 @@ void route_approx_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias
       rank[i] = Vec::count_true(rank[i], typename Vec::Mask(~i_beats_j));
     }
   }
-  // Steps 6 and 7 in write_row_outputs' order (the scores of covered rows are finite).
+  // Steps 6 and 7 (the scores of covered rows are finite).
   Vec w[kApproxLaneMaxTopk], id[kApproxLaneMaxTopk];
-  Vec sum = Vec::set1(0.0f);
   for (int64_t j = 0; j < topk; ++j) {
     w[j] = Vec::set1(0.0f);
     id[j] = Vec::set1(0.0f);
@@ -1285,27 +1295,11 @@ void route_approx_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias
       w[j] = Vec::select(at, s[i], w[j]);
       id[j] = Vec::select(at, slots.id[i], id[j]);
     }
-    sum = sum + w[j];
   }
-  const Vec denom = sum + Vec::set1(1e-20f);
-  const Vec scale = Vec::set1(p.routed_scaling_factor);
-  alignas(64) float out_weights[kApproxLaneMaxTopk][W];
-  alignas(64) float out_ids[kApproxLaneMaxTopk][W];
-  for (int64_t j = 0; j < topk; ++j) {
-    if (p.renormalize) w[j] = w[j] / denom;
-    (w[j] * scale).store(out_weights[j]);
-    id[j].store(out_ids[j]);
-  }
+  write_lane_outputs<kApproxLaneMaxTopk>(p, t0, topk, w, id, settled);
   for (int64_t r = 0; r < W; ++r) {
     if (!((settled >> r) & 1)) {
       route_rows_by_approx<kScore, LogitT, BiasT>(p, bias, t0 + r, t0 + r + 1, margin, ws);
-      continue;
-    }
-    float* weights = p.topk_weights + (t0 + r) * p.weights_row_stride;
-    int32_t* ids = p.topk_ids + (t0 + r) * p.ids_row_stride;
-    for (int64_t j = 0; j < topk; ++j) {
-      weights[j] = out_weights[j][r];
-      ids[j] = int32_t(out_ids[j][r]);
     }
   }
 }
