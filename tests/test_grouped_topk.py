@@ -528,12 +528,21 @@ INVALID = [
 ]
 
 
+# The wrappers reach the op by their direct call; torch.ops by its own argument conversion.
+CALLERS = {
+    "wrapper": (moeext.biased_grouped_topk, moeext.biased_grouped_topk_out),
+    "torch.ops": (torch.ops.moeext.biased_grouped_topk, torch.ops.moeext.biased_grouped_topk_out),
+}
+
+
+@pytest.mark.parametrize("caller", list(CALLERS))
 @pytest.mark.parametrize("change,message", INVALID, ids=[m for _, m in INVALID])
-def test_invalid_arguments(device, change, message):
+def test_invalid_arguments(device, change, message, caller):
+    route, route_out = CALLERS[caller]
     args = _valid_args(device)
     args.update(change(device))
     with pytest.raises(RuntimeError, match=_literal(message)):
-        moeext.biased_grouped_topk(**args)
+        route(**args)
     # The _out form rejects the same inputs and leaves its outputs untouched.
     if args["gating_output"].dim() == 2 and args["topk"] >= 1:
         num_tokens = args["gating_output"].shape[0]
@@ -541,7 +550,7 @@ def test_invalid_arguments(device, change, message):
         ids = torch.full((num_tokens, args["topk"]), -3, dtype=torch.int32, device=device)
         out_args = {k: v for k, v in args.items() if k != "topk"}
         with pytest.raises(RuntimeError, match=_literal(message)):
-            moeext.biased_grouped_topk_out(topk_weights=weights, topk_ids=ids, **out_args)
+            route_out(topk_weights=weights, topk_ids=ids, **out_args)
         assert bool((weights == -3.0).all()) and bool((ids == -3).all())
 
 
@@ -563,15 +572,17 @@ INVALID_OUT = [
 ]
 
 
+@pytest.mark.parametrize("caller", list(CALLERS))
 @pytest.mark.parametrize("change,message", INVALID_OUT, ids=[m for _, m in INVALID_OUT])
-def test_invalid_out_arguments(device, change, message):
+def test_invalid_out_arguments(device, change, message, caller):
+    route_out = CALLERS[caller][1]
     args = _valid_args(device)
     del args["topk"]
     out = dict(topk_weights=torch.full((4, 8), -3.0, device=device),
                topk_ids=torch.full((4, 8), -3, dtype=torch.int32, device=device))
     out.update(change(device))
     with pytest.raises(RuntimeError, match=_literal(message)):
-        moeext.biased_grouped_topk_out(**args, **out)
+        route_out(**args, **out)
     for t in out.values():
         assert bool((t == -3).all()) or bool((t == 0).all())
 
@@ -580,6 +591,165 @@ def _literal(message):
     import re
 
     return re.escape(message)
+
+
+# ---------------------------------------------------------------------------------------
+# The wrappers' direct call of the op (moeext._C.call_biased_grouped_topk[_out]).
+# ---------------------------------------------------------------------------------------
+
+def _positional(logits, bias, preset):
+    p = PRESETS[preset]
+    return (logits, bias, p.num_expert_group, p.topk_group, p.topk, p.renormalize,
+            p.routed_scaling_factor, p.scoring_func)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2", "deepseek-v4-pro"])
+@pytest.mark.parametrize("num_tokens", [0, 1, 37])
+def test_direct_call_is_the_op(device, preset, num_tokens):
+    p = PRESETS[preset]
+    logits, bias = make_inputs(num_tokens, p.num_experts, torch.bfloat16,
+                               torch.float32 if p.has_bias else None, device=device)
+    args = _positional(logits[:, :], bias, preset)
+    direct = moeext._C.call_biased_grouped_topk(*args)
+    assert isinstance(direct, tuple)  # taken, not declined
+    expected = torch.ops.moeext.biased_grouped_topk(*args)
+    for got, want in zip(direct, expected):
+        assert got.dtype == want.dtype and got.device == want.device
+        assert torch.equal(got, want)
+    weights = torch.full((num_tokens, p.topk + 2), -3.0, device=device)
+    ids = torch.full((num_tokens, p.topk + 2), -3, dtype=torch.int32, device=device)
+    out_args = args[:2] + (weights[:, :p.topk], ids[:, :p.topk]) + args[2:4] + args[5:]
+    assert moeext._C.call_biased_grouped_topk_out(*out_args) is None
+    assert torch.equal(weights[:, :p.topk], expected[0])
+    assert torch.equal(ids[:, :p.topk], expected[1])
+    assert bool((weights[:, p.topk:] == -3.0).all()) and bool((ids[:, p.topk:] == -3).all())
+
+
+class _Tagged(torch.Tensor):
+    """A subclass whose __torch_function__ records the functions it sees."""
+
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _numpy_int(v):
+    import numpy
+
+    return numpy.int64(v)
+
+
+# Arguments the direct call does not parse itself: it declines, and torch.ops decides.
+DECLINED = [
+    ("numpy int", lambda a: a[:2] + (_numpy_int(a[2]),) + a[3:]),
+    ("int for bool", lambda a: a[:5] + (int(a[5]),) + a[6:]),
+    ("bytes for str", lambda a: a[:7] + (a[7].encode(),)),
+    ("float for int", lambda a: a[:4] + (float(a[4]),) + a[5:]),
+    ("str for float", lambda a: a[:6] + ("2.5",) + a[7:]),
+    ("tensor subclass", lambda a: (a[0].as_subclass(_Tagged),) + a[1:]),
+    ("list for tensor", lambda a: (a[0].tolist(),) + a[1:]),
+    ("too few", lambda a: a[:5]),
+]
+
+
+@pytest.mark.parametrize("change", [c for _, c in DECLINED], ids=[n for n, _ in DECLINED])
+def test_direct_call_declines_what_torch_ops_decides(change):
+    logits, bias = make_inputs(5, 256, torch.float32, torch.float32)
+    args = change(_positional(logits, bias, "deepseek-v3"))
+    assert moeext._C.call_biased_grouped_topk(*args) is NotImplemented
+    try:
+        expected = torch.ops.moeext.biased_grouped_topk(*args)
+    except (RuntimeError, TypeError) as error:
+        with pytest.raises(type(error)) as raised:
+            moeext.biased_grouped_topk(*args)
+        assert str(raised.value) == str(error)
+    else:
+        got = moeext.biased_grouped_topk(*args)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_torch_function_sees_the_op():
+    logits, bias = make_inputs(3, 256, torch.float32, torch.float32)
+    _Tagged.seen.clear()
+    moeext.biased_grouped_topk(logits.as_subclass(_Tagged), bias, 8, 4, 8)
+    assert _Tagged.seen and "biased_grouped_topk" in str(_Tagged.seen[0])
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    weights = torch.empty(3, 8)
+    ids = torch.empty(3, 8, dtype=torch.int32)
+    with Record() as mode:
+        assert moeext._C.call_biased_grouped_topk(logits, bias, 8, 4, 8, True, 2.5,
+                                                  "sigmoid") is NotImplemented
+        moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+        moeext.biased_grouped_topk_out(logits, bias, weights, ids, 8, 4)
+    names = [str(f) for f in mode.seen]
+    assert any("biased_grouped_topk_out" in n for n in names)
+    assert any("biased_grouped_topk" in n and "_out" not in n for n in names)
+
+
+def test_wrappers_under_fake_tensor_mode():
+    """Fake tensors are a subclass: the direct call declines them, torch.ops takes them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        logits = mode.from_tensor(torch.randn(6, 256))
+        bias = mode.from_tensor(torch.randn(256, dtype=torch.bfloat16))
+        weights, ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+        assert weights.shape == (6, 8) and weights.dtype == torch.float32
+        assert ids.shape == (6, 8) and ids.dtype == torch.int32
+        with pytest.raises(RuntimeError, match=_literal("topk (129) exceeds the experts")):
+            moeext.biased_grouped_topk(logits, bias, 8, 4, 129)
+
+
+def test_direct_call_tracks_autograd_as_torch_ops_does():
+    logits = torch.randn(4, 64, requires_grad=True)
+    by_ops = torch.ops.moeext.biased_grouped_topk(logits, None, 8, 4, 8)
+    direct = moeext._C.call_biased_grouped_topk(logits, None, 8, 4, 8, True, 1.0, "sigmoid")
+    for got, want in zip(direct, by_ops):
+        assert got.requires_grad == want.requires_grad
+        assert type(got.grad_fn) is type(want.grad_fn)
+
+
+def test_direct_call_releases_the_gil():
+    """Another Python thread runs while a long call routes, as it does through torch.ops."""
+    import threading
+    import time
+
+    logits, bias = make_inputs(100_000, 256, torch.bfloat16, torch.float32)
+    window, stamps = [], []
+
+    def route():
+        start = time.perf_counter()
+        moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+        window.extend([start, time.perf_counter()])
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        route()  # the call's duration with no other thread (about 15 ms)
+        duration = window[1] - window[0]
+        window.clear()
+        worker = threading.Thread(target=route)
+        worker.start()
+        while worker.is_alive():
+            stamps.append(time.perf_counter())
+        worker.join()
+    finally:
+        torch.set_num_threads(previous)
+    # Holding the GIL, the call would keep this thread waiting until it returns.
+    after = [t for t in stamps if t > window[0]]
+    assert after and after[0] < window[0] + 0.5 * duration
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // moeext._C: importing it loads the TORCH_LIBRARY registrations of this shared library. The
-// few functions here are about the build and the CPU paths, not ops (those are torch.ops).
+// few functions here are about the build and the CPU paths, plus the routing wrappers' direct
+// calls of their ops (python_calls.cpp); the ops themselves are torch.ops.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "moeext/common.h"
+#include "torch/python_calls.h"
 
 namespace py = pybind11;
 
@@ -82,4 +84,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"),
       "Forces the CPU kernels onto one instruction-set path ('scalar', 'avx2', 'avx512', 'avx512bf16') "
       "or back to the best available ('auto').");
+  for (PyMethodDef* def = moeext::torch_glue::python_call_methods(); def->ml_name != nullptr;
+       ++def) {
+    PyObject* function = PyCFunction_NewEx(def, nullptr, m.attr("__name__").ptr());
+    if (function == nullptr) throw py::error_already_set();
+    m.add_object(def->ml_name, py::reinterpret_steal<py::object>(function));
+  }
 }

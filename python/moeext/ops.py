@@ -2,6 +2,9 @@
 
 The wrappers add nothing but names, defaults and documentation: each is one call into the
 registered op, so they trace under ``torch.compile(fullgraph=True)`` exactly like the op.
+The routing wrappers, called at every decode step, reach their op through a direct call in
+``moeext._C`` where the arguments are of the plain Python types (about half the time of
+``torch.ops``' generic argument conversion); the op, its dispatch and its errors are the same.
 """
 
 from typing import Optional, Tuple
@@ -72,6 +75,19 @@ def biased_grouped_topk(
         RuntimeError: naming the offending argument, for any input outside the contract
         (shape, dtype, device, topology, scoring function).
     """
+    if not torch.compiler.is_compiling():
+        out = _C.call_biased_grouped_topk(
+            gating_output,
+            correction_bias,
+            num_expert_group,
+            topk_group,
+            topk,
+            renormalize,
+            routed_scaling_factor,
+            scoring_func,
+        )
+        if out is not NotImplemented:
+            return out
     return torch.ops.moeext.biased_grouped_topk(
         gating_output,
         correction_bias,
@@ -103,6 +119,20 @@ def biased_grouped_topk_out(
     nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
     nothing is written at all.
     """
+    if not torch.compiler.is_compiling():
+        out = _C.call_biased_grouped_topk_out(
+            gating_output,
+            correction_bias,
+            topk_weights,
+            topk_ids,
+            num_expert_group,
+            topk_group,
+            renormalize,
+            routed_scaling_factor,
+            scoring_func,
+        )
+        if out is not NotImplemented:
+            return
     torch.ops.moeext.biased_grouped_topk_out(
         gating_output,
         correction_bias,
