@@ -698,6 +698,27 @@ def test_torch_function_sees_the_op():
     assert any("biased_grouped_topk" in n and "_out" not in n for n in names)
 
 
+def test_torch_dispatch_mode_sees_the_direct_call():
+    """Dispatch modes sit in the dispatcher, which the direct call goes through."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    logits, bias = make_inputs(3, 256, torch.float32, torch.float32)
+    expected = torch.ops.moeext.biased_grouped_topk(logits, bias, 8, 4, 8, True, 2.5, "sigmoid")
+    with Record() as mode:
+        got = moeext._C.call_biased_grouped_topk(logits, bias, 8, 4, 8, True, 2.5, "sigmoid")
+    assert mode.seen == [torch.ops.moeext.biased_grouped_topk.default]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
 def test_wrappers_under_fake_tensor_mode():
     """Fake tensors are a subclass: the direct call declines them, torch.ops takes them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
