@@ -742,6 +742,20 @@ def test_direct_call_tracks_autograd_as_torch_ops_does():
         assert type(got.grad_fn) is type(want.grad_fn)
 
 
+def test_wrappers_still_script():
+    """TorchScript skips the direct call (it cannot compile it) and scripts torch.ops."""
+    logits, bias = make_inputs(5, 256, torch.float32, torch.float32)
+    route = torch.jit.script(moeext.biased_grouped_topk)
+    got = route(logits, bias, 8, 4, 8, True, 2.5, "sigmoid")
+    expected = torch.ops.moeext.biased_grouped_topk(logits, bias, 8, 4, 8, True, 2.5, "sigmoid")
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    route_out = torch.jit.script(moeext.biased_grouped_topk_out)
+    weights = torch.empty(5, 8)
+    ids = torch.empty(5, 8, dtype=torch.int32)
+    route_out(logits, bias, weights, ids, 8, 4, True, 2.5, "sigmoid")
+    assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+
+
 def test_direct_call_releases_the_gil():
     """Another Python thread runs while a long call routes, as it does through torch.ops."""
     import threading

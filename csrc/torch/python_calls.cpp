@@ -132,10 +132,11 @@ PyObject* call_biased_grouped_topk(PyObject* /*self*/, PyObject* const* args,
                   a.renormalize, a.routed_scaling_factor,
                   c10::string_view(a.scoring_func.data(), a.scoring_func.size()));
   }
-  PyObject* result = PyTuple_New(2);
-  if (result == nullptr) return nullptr;
-  PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::get<0>(out)));
-  PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::get<1>(out)));
+  PyObject* weights = THPVariable_Wrap(std::get<0>(out));
+  PyObject* ids = weights == nullptr ? nullptr : THPVariable_Wrap(std::get<1>(out));
+  PyObject* result = ids == nullptr ? nullptr : PyTuple_Pack(2, weights, ids);
+  Py_XDECREF(weights);
+  Py_XDECREF(ids);
   return result;
   END_HANDLE_TH_ERRORS
 }

@@ -75,7 +75,8 @@ def biased_grouped_topk(
         RuntimeError: naming the offending argument, for any input outside the contract
         (shape, dtype, device, topology, scoring function).
     """
-    if not torch.compiler.is_compiling():
+    # TorchScript must not see the direct call; torch.compile must trace the op.
+    if not torch.jit.is_scripting() and not torch.compiler.is_compiling():
         out = _C.call_biased_grouped_topk(
             gating_output,
             correction_bias,
@@ -119,7 +120,7 @@ def biased_grouped_topk_out(
     nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
     nothing is written at all.
     """
-    if not torch.compiler.is_compiling():
+    if not torch.jit.is_scripting() and not torch.compiler.is_compiling():
         out = _C.call_biased_grouped_topk_out(
             gating_output,
             correction_bias,
