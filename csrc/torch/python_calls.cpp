@@ -5,11 +5,11 @@
 //
 // These functions take the plain Python types only (exactly torch.Tensor or Parameter, int,
 // bool, float, str) and call the registered op through the dispatcher, so every dispatch key
-// (CPU, CUDA, Meta, autograd's fallback, Python modes and fake tensors) behaves as it does
-// through torch.ops. The GIL is released around the op, and errors reach Python as torch.ops
-// raises them. For anything else (a tensor subclass, a torch-function mode, an int that is
-// a bool or numpy's) they return NotImplemented and the wrapper calls torch.ops, which
-// converts the argument or explains why it cannot.
+// (CPU, CUDA, Meta, autograd's fallback, dispatch modes) behaves as it does through
+// torch.ops. The GIL is released around the op, and errors reach Python as torch.ops raises
+// them. For anything else (a tensor subclass such as a fake tensor, a torch-function mode, a
+// numpy int, an int where a bool goes) they return NotImplemented and the wrapper calls
+// torch.ops, which converts the argument or explains why it cannot.
 #include "torch/python_calls.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
