@@ -13,6 +13,14 @@ import torch
 
 from . import _C
 
+# Bound once: the routing wrappers run at every decode step, and looking these up through
+# their modules at each call cost 45 ns of a 1.2 us call. TorchScript and Dynamo know the two
+# predicates by identity, so they read these names as they read the qualified ones.
+_is_scripting = torch.jit.is_scripting
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_call_biased_grouped_topk = _C.call_biased_grouped_topk
+_call_biased_grouped_topk_out = _C.call_biased_grouped_topk_out
+
 __all__ = [
     "biased_grouped_topk",
     "biased_grouped_topk_out",
@@ -79,8 +87,8 @@ def biased_grouped_topk(
     # pass fake tensors, which the direct call declines. Asking is_compiling() instead of
     # is_dynamo_compiling() cost 45 ns, and packing the arguments, spelled out twice here,
     # in one tuple 30 ns.)
-    if not torch.jit.is_scripting() and not torch.compiler.is_dynamo_compiling():
-        out = _C.call_biased_grouped_topk(
+    if not _is_scripting() and not _is_dynamo_compiling():
+        out = _call_biased_grouped_topk(
             gating_output,
             correction_bias,
             num_expert_group,
@@ -123,8 +131,8 @@ def biased_grouped_topk_out(
     nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
     nothing is written at all.
     """
-    if not torch.jit.is_scripting() and not torch.compiler.is_dynamo_compiling():
-        out = _C.call_biased_grouped_topk_out(
+    if not _is_scripting() and not _is_dynamo_compiling():
+        out = _call_biased_grouped_topk_out(
             gating_output,
             correction_bias,
             topk_weights,
