@@ -74,7 +74,7 @@ inline Vec sqrt_softplus(Vec x, Vec exp_neg_abs) {
 template <ScoringFunc kScore>
 inline Vec score(Vec x) {
   if constexpr (kScore == ScoringFunc::kSigmoid) {
-    return Vec::set1(1.0f) / (Vec::set1(1.0f) + vexp(Vec::set1(0.0f) - x));
+    return Vec::set1(1.0f) / (Vec::set1(1.0f) + vexp_neg(x));
   } else {
     static_assert(kScore == ScoringFunc::kSqrtSoftplus, "softmax is computed row-wide");
     return sqrt_softplus(x, softplus_exp(x));

@@ -100,6 +100,7 @@ struct Vec {
   friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
   friend Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
   static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec fnmsub(Vec a, Vec b, Vec c) { return {_mm256_fnmsub_ps(a.v, b.v, c.v)}; }
   // The second operand is returned when either is NaN (the instruction's own rule).
   static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   static Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }

@@ -73,6 +73,7 @@ struct Vec {
   friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
   friend Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
   static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec fnmsub(Vec a, Vec b, Vec c) { return {_mm512_fnmsub_ps(a.v, b.v, c.v)}; }
   // The second operand is returned when either is NaN (the instruction's own rule).
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   static Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }

@@ -45,6 +45,8 @@ struct Vec {
   friend Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
   // a * b + c, fused like the vector paths so that both give the same bits.
   static Vec fmadd(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
+  // -(a * b) - c, fused.
+  static Vec fnmsub(Vec a, Vec b, Vec c) { return {std::fma(-a.v, b.v, -c.v)}; }
   // x86 max/min semantics: the second operand is returned when either is NaN.
   static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
   static Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
