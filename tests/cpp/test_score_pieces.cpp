@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 
 #define MOEEXT_CPU_ISA scalar
@@ -16,6 +15,7 @@
 #include "cpu/vec_scalar.h"
 #include "check.h"
 
+using moeext::cpu::bits_to_float;
 using moeext::cpu::build_sqrt_softplus_pieces;
 using moeext::cpu::exact_sqrt_softplus;
 using moeext::cpu::kScoreApproxError;
@@ -23,12 +23,6 @@ using moeext::cpu::ScorePieces;
 using moeext::cpu::scalar::Vec;
 
 namespace {
-
-float from_bits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 double worst = 0.0;
 
@@ -59,7 +53,7 @@ void check(const ScorePieces& pieces, float x) {
 int main() {
   const ScorePieces pieces = build_sqrt_softplus_pieces();
   for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
-    check(pieces, from_bits(bits << 16));  // every bf16
+    check(pieces, bits_to_float(bits << 16));  // every bf16
     // every fp16, widened exactly
     const uint32_t sign = (bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu,
                    mantissa = bits & 0x3ffu;
@@ -67,9 +61,9 @@ int main() {
     if (exponent == 0) {
       half = float(mantissa) * 5.9604644775390625e-8f * (sign ? -1.0f : 1.0f);
     } else if (exponent == 31) {
-      half = from_bits(sign | 0x7f800000u | (mantissa << 13));
+      half = bits_to_float(sign | 0x7f800000u | (mantissa << 13));
     } else {
-      half = from_bits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+      half = bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
     }
     check(pieces, half);
   }

@@ -8,32 +8,22 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <initializer_list>
 #include <limits>
 
 #define MOEEXT_CPU_ISA scalar
+#include "cpu/types.h"
 #include "cpu/vec_scalar.h"
 #include "cpu/vec_math.h"
 #include "check.h"
 
+using moeext::cpu::bits_to_float;
+using moeext::cpu::float_to_bits;
 using moeext::cpu::scalar::Vec;
 using moeext::cpu::scalar::vexp;
 using moeext::cpu::scalar::vexp_neg;
 
 namespace {
-
-float from_bits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-uint32_t to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
 
 void check_exp(float x) {
   const float got = vexp(Vec::set1(x)).v;
@@ -49,7 +39,7 @@ void check_exp(float x) {
     CHECK(got == 0.0f, "vexp(%.9g) = %.9g, expected 0", double(x), double(got));
   } else if (rounded >= std::numeric_limits<float>::min()) {
     // Both positive, so their bit patterns count ulps.
-    const int64_t ulps = int64_t(to_bits(got)) - int64_t(to_bits(rounded));
+    const int64_t ulps = int64_t(float_to_bits(got)) - int64_t(float_to_bits(rounded));
     CHECK(ulps >= -1 && ulps <= 1, "vexp(%.9g) = %.9g, exp rounds to %.9g (%lld ulps)",
           double(x), double(got), double(rounded), static_cast<long long>(ulps));
   }
@@ -62,8 +52,8 @@ void check_exp_neg(float x) {
     CHECK(std::isnan(got), "vexp_neg(%.9g) = %.9g, expected NaN", double(x), double(got));
     return;
   }
-  CHECK(to_bits(got) == to_bits(want), "vexp_neg(%.9g) (%08x) = %.9g (%08x), expected %.9g (%08x)",
-        double(x), to_bits(x), double(got), to_bits(got), double(want), to_bits(want));
+  CHECK(float_to_bits(got) == float_to_bits(want), "vexp_neg(%.9g) (%08x) = %.9g (%08x), expected %.9g (%08x)",
+        double(x), float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
 }
 
 void check(float x) {
@@ -81,7 +71,7 @@ int main() {
                   105.0f, -87.0f, -88.0f, -89.0f, -104.0f, -105.0f}) {
     check(x);
   }
-  for (uint32_t hi = 0; hi < 0x10000u; ++hi) check(from_bits(hi << 16));
-  for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 257) check(from_bits(uint32_t(bits)));
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi) check(bits_to_float(hi << 16));
+  for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 257) check(bits_to_float(uint32_t(bits)));
   return moeext_test::finish("test_vec_exp");
 }
