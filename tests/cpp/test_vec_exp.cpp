@@ -52,8 +52,9 @@ void check_exp_neg(float x) {
     CHECK(std::isnan(got), "vexp_neg(%.9g) = %.9g, expected NaN", double(x), double(got));
     return;
   }
-  CHECK(float_to_bits(got) == float_to_bits(want), "vexp_neg(%.9g) (%08x) = %.9g (%08x), expected %.9g (%08x)",
-        double(x), float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
+  CHECK(float_to_bits(got) == float_to_bits(want),
+        "vexp_neg(%.9g) (%08x) = %.9g (%08x), expected %.9g (%08x)", double(x),
+        float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
 }
 
 void check(float x) {
