@@ -1,5 +1,6 @@
-// exp (within 1 ulp) and log1p on [0, 1] over the Vec of this ISA. Written once over Vec so the scalar and AVX-512 paths share every step; they
-// differ only in Vec::reciprocal (exact on scalar, rcp14 + one Newton step on AVX-512).
+// exp (within 1 ulp) and log1p on [0, 1] over the Vec of this ISA. Written once over Vec so
+// the scalar and AVX-512 paths share every step; they differ only in Vec::reciprocal (exact
+// on scalar, rcp14 + one Newton step on AVX-512).
 #pragma once
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
