@@ -27,6 +27,16 @@ def test_opcheck_biased_grouped_topk(device, num_tokens, with_bias):
                           (logits, bias, weights, ids, 8, 4, True, 2.5, "sqrtsoftplus"))
 
 
+
+@pytest.mark.parametrize("scoring_func", ["sigmoid", "sqrtsoftplus", "softmax"])
+def test_opcheck_biased_grouped_topk_with_gradient(device, scoring_func):
+    # Logits that require grad take the autograd kernel: opcheck also checks its registration
+    # and the backward traced by AOTAutograd against eager.
+    logits, bias = _routing_inputs(13, device, logits_dtype=torch.float32)
+    logits.requires_grad_()
+    torch.library.opcheck(torch.ops.moeext.biased_grouped_topk.default,
+                          (logits, bias, 8, 4, 8, True, 2.5, scoring_func))
+
 @pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2", "deepseek-v4-pro"])
 def test_compile_fullgraph_dynamic_tokens(device, preset):
     torch._dynamo.reset()
@@ -189,3 +199,20 @@ def test_compile_router_gemm_with_a_prepacked_weight():
         got = compiled(hidden)
         assert got.shape == (num_tokens, 70) and got.dtype == torch.float32
         assert torch.equal(got, moeext.router_gemm(hidden, packed))
+
+
+def test_compile_fullgraph_gradient(device):
+    torch._dynamo.reset()
+    p = PRESETS["deepseek-v3"]
+
+    def loss(logits, bias, grad_weights):
+        weights, _ = moeext.biased_grouped_topk(logits * 1.0, bias, **p.op_kwargs())
+        return (weights * grad_weights).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True)
+    for num_tokens in (5, 21):
+        logits, bias = _routing_inputs(num_tokens, device, logits_dtype=torch.float32)
+        grad_weights = torch.randn(num_tokens, p.topk, device=device)
+        expected = torch.autograd.grad(loss(logits.requires_grad_(), bias, grad_weights), logits)
+        got = torch.autograd.grad(compiled(logits, bias, grad_weights), logits)
+        torch.testing.assert_close(got, expected)

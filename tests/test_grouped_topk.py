@@ -903,3 +903,104 @@ def test_property_near_ties_are_valid_choices(device, problem, isa):
     finally:
         moeext.set_cpu_isa(previous)
     assert_valid_routing(weights, ids, logits, bias, **kw)
+
+
+# Gradients: the weights are differentiable in the logits (SPEC section 1 steps 1, 6, 7 at the
+# chosen ids). The oracle is torch's autograd through moeext.reference.
+
+
+def _gradients(route, base, bias, grad_weights, columns, **kw):
+    logits = base.detach().clone().requires_grad_()
+    weights, ids = route(logits[:, columns], bias, **kw)
+    assert weights.requires_grad and not ids.requires_grad
+    (grad,) = torch.autograd.grad(weights, logits, grad_weights)
+    return ids, grad
+
+
+def _check_gradient(device, num_tokens, num_experts, logits_dtype, bias_dtype, strided, **kw):
+    # Strided: the op reads every other column of a wider leaf, whose other columns get 0.
+    width = 2 * num_experts if strided else num_experts
+    base, _ = make_inputs(num_tokens, width, logits_dtype, None, device=device)
+    _, bias = make_inputs(0, num_experts, logits_dtype, bias_dtype, seed=1, device=device)
+    columns = slice(None, None, 2) if strided else slice(None)
+    g = torch.Generator().manual_seed(num_tokens)
+    grad_weights = torch.randn(num_tokens, kw["topk"], generator=g).to(device)
+    ids, got = _gradients(moeext.biased_grouped_topk, base, bias, grad_weights, columns, **kw)
+    ref_ids, expected = _gradients(moeext.reference.biased_grouped_topk, base, bias,
+                                   grad_weights, columns, **kw)
+    assert torch.equal(ids, ref_ids)
+    assert got.dtype == logits_dtype and got.shape == base.shape
+    torch.testing.assert_close(got, expected)
+    if strided:
+        assert bool((got[:, 1::2] == 0).all())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
+@pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
+def test_gradient_matches_reference(device, logits_dtype, scoring_func, renormalize):
+    for bias_dtype in (None, torch.bfloat16):
+        _check_gradient(device, 37, 96, logits_dtype, bias_dtype, strided=True,
+                        num_expert_group=8, topk_group=3, topk=7, renormalize=renormalize,
+                        routed_scaling_factor=2.5, scoring_func=scoring_func)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_gradient_presets(device, preset):
+    p = PRESETS[preset]
+    _check_gradient(device, 9, p.num_experts, torch.float32,
+                    torch.float32 if p.has_bias else None, strided=False, **p.op_kwargs())
+
+
+def test_gradient_large_logits_take_softplus_linear_branch(device):
+    # Above softplus's threshold 20 the score is sqrt(x): its own derivative, not sigmoid's.
+    base = torch.linspace(-30, 30, 64, device=device).repeat(3, 1)
+    grad_weights = torch.ones(3, 4, device=device)
+    kw = dict(num_expert_group=1, topk_group=1, topk=4, renormalize=False,
+              routed_scaling_factor=1.0, scoring_func="sqrtsoftplus")
+    _, got = _gradients(moeext.biased_grouped_topk, base, None, grad_weights, slice(None), **kw)
+    expected = 0.5 / base[:, -4:].sqrt()
+    torch.testing.assert_close(got[:, -4:], expected)
+    assert bool((got[:, :-4] == 0).all())
+
+
+def test_gradient_reaches_neither_bias_nor_ids(device):
+    logits, bias = make_inputs(5, 64, torch.float32, torch.float32, device=device)
+    logits.requires_grad_()
+    bias.requires_grad_()
+    weights, ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    assert weights.requires_grad and not ids.requires_grad
+    # Not weights.sum(): renormalised weights sum to a constant, whose gradient is 0.
+    grad_logits, grad_bias = torch.autograd.grad((weights * torch.rand_like(weights)).sum(),
+                                                 [logits, bias], allow_unused=True)
+    assert grad_bias is None
+    assert grad_logits.shape == logits.shape and bool(grad_logits.abs().sum() > 0)
+    # Only the bias requires grad: weights carry a node, and its gradient is still none.
+    weights, _ = moeext.biased_grouped_topk(logits.detach(), bias, 8, 4, 8)
+    assert torch.autograd.grad(weights.sum(), bias, allow_unused=True) == (None,)
+
+
+def test_gradient_of_no_tokens(device):
+    logits = torch.empty(0, 64, device=device, requires_grad=True)
+    weights, _ = moeext.biased_grouped_topk(logits, None, 8, 4, 8)
+    (grad,) = torch.autograd.grad(weights.sum(), logits, allow_unused=True,
+                                  materialize_grads=True)
+    assert grad.shape == (0, 64)
+
+
+def test_no_graph_where_no_gradient_is_wanted(device):
+    logits, bias = make_inputs(5, 64, torch.float32, torch.float32, device=device)
+    expected = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    logits.requires_grad_()
+    with torch.no_grad():
+        weights, ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    assert weights.grad_fn is None and not weights.requires_grad
+    with torch.inference_mode():
+        weights, ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    assert weights.is_inference() and torch.equal(ids, expected[1])
+    # The out= form writes its buffers and records nothing, with or without grad mode.
+    out_w = torch.zeros(5, 8, device=device)
+    out_ids = torch.zeros(5, 8, dtype=torch.int32, device=device)
+    moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 8, 4)
+    assert not out_w.requires_grad and out_w.grad_fn is None
+    assert torch.equal(out_w, expected[0]) and torch.equal(out_ids, expected[1])

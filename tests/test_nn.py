@@ -159,7 +159,7 @@ def test_compile_fullgraph(device, logits_dtype):
     g = torch.Generator().manual_seed(0)
     for num_tokens in (1, 7, 40):
         hidden = torch.randn(num_tokens, 256, generator=g).bfloat16().to(device)
-        with torch.inference_mode():  # as engines run it: the ops have no autograd
+        with torch.inference_mode():  # as engines run it: router_gemm has no autograd
             expected = router(hidden, return_logits=True)
             got = compiled(hidden, return_logits=True)
         for a, b in zip(got, expected):

@@ -5,7 +5,7 @@
 //
 // These functions take the plain Python types only (exactly torch.Tensor or Parameter, int,
 // bool, float, str) and call the registered op through the dispatcher, so every dispatch key
-// (CPU, CUDA, Meta, autograd's fallback, dispatch modes) behaves as it does through
+// (CPU, CUDA, Meta, Autograd, dispatch modes) behaves as it does through
 // torch.ops. The GIL is released around long calls, and errors reach Python as torch.ops
 // raises them. For anything else (a tensor subclass such as a fake tensor, a torch-function
 // mode, a numpy int, an int where a bool goes) they return NotImplemented and the wrapper

@@ -1,5 +1,5 @@
 // Every moeext operator schema, in one place. Implementations register per dispatch key
-// elsewhere (cpu_ops.cpp, and cuda_ops.cu once the CUDA kernels exist); fakes are registered
+// elsewhere (cpu_ops.cpp, cuda_ops.cpp, autograd_ops.cpp); fakes are registered
 // from Python (python/moeext/_fake.py).
 #include <torch/library.h>
 

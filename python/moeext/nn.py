@@ -29,7 +29,7 @@ class GroupedTopKRouter(torch.nn.Module):
     kernel reads its dtype, and rounding a bias of ~2 to bf16 changes the chosen experts.
 
     ``forward`` runs two ops and nothing else (no casts, no host synchronisation), so it
-    traces under ``torch.compile(fullgraph=True)``. Inference only: the ops have no
+    traces under ``torch.compile(fullgraph=True)``. Inference only: ``router_gemm`` has no
     autograd formula.
 
     Args:

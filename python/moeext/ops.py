@@ -79,6 +79,12 @@ def biased_grouped_topk(
         ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` float32 and int32, each row in
         descending ``b`` order (ties by lower id).
 
+    Gradients: where ``gating_output`` requires grad (and grad mode is on), ``topk_weights``
+    is differentiable in the logits: the derivative of steps 1 and 5 at the chosen ids (of
+    the whole row for softmax), as torch's autograd takes it through
+    ``moeext.reference.biased_grouped_topk``. The bias and the ids get no gradient. The
+    ``_out`` form records no gradient.
+
     Raises:
         RuntimeError: naming the offending argument, for any input outside the contract
         (shape, dtype, device, topology, scoring function).
