@@ -1004,3 +1004,35 @@ def test_no_graph_where_no_gradient_is_wanted(device):
     moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 8, 4)
     assert not out_w.requires_grad and out_w.grad_fn is None
     assert torch.equal(out_w, expected[0]) and torch.equal(out_ids, expected[1])
+
+
+def test_out_form_bumps_the_versions_of_what_it_writes(device):
+    # As torch's own out= ops: a backward through a value the out= form overwrote raises
+    # instead of using the new values, and a failed call bumps nothing.
+    logits, bias = make_inputs(5, 64, torch.float32, torch.float32, device=device)
+    out_w = torch.zeros(5, 8, device=device)
+    out_ids = torch.zeros(5, 8, dtype=torch.int32, device=device)
+    before = (out_w._version, out_ids._version)
+    moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 8, 4)
+    assert (out_w._version, out_ids._version) == (before[0] + 1, before[1] + 1)
+    torch.ops.moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 8, 4)
+    assert (out_w._version, out_ids._version) == (before[0] + 2, before[1] + 2)
+    with pytest.raises(RuntimeError, match="num_expert_group"):
+        moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 7, 4)
+    assert (out_w._version, out_ids._version) == (before[0] + 2, before[1] + 2)
+
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    y = x.exp()  # saves its result for the backward
+    moeext.biased_grouped_topk_out(logits, bias, y.detach(), out_ids, 8, 4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    # Inference tensors have no version to bump: written inside inference mode or outside.
+    with torch.inference_mode():
+        inf_w, inf_ids = torch.zeros_like(out_w), torch.zeros_like(out_ids)
+        moeext.biased_grouped_topk_out(logits, bias, inf_w, inf_ids, 8, 4)
+    assert torch.equal(inf_w, out_w) and torch.equal(inf_ids, out_ids)
+    with torch.inference_mode():
+        inf_w.zero_()
+    moeext.biased_grouped_topk_out(logits, bias, inf_w, inf_ids, 8, 4)
+    assert torch.equal(inf_w, out_w)

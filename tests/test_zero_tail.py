@@ -155,3 +155,32 @@ def test_persistent_buffers(device):
         bufs.set_extent("req_ids", -1)
     with pytest.raises(ValueError, match="exists"):
         bufs.allocate("req_ids", (4,), torch.int32)
+
+
+@pytest.mark.parametrize("tracked", [False, True], ids=["plain", "tracked"])
+def test_bumps_the_versions_of_what_it_writes(device, tracked):
+    # As torch's own in-place ops (fill_ included): a backward through a value the zeroing
+    # overwrote raises instead of using the zeros.
+    def zero(buf, state, new_extent, prev_extent):
+        if tracked:
+            moeext.zero_tail_tracked_(buf, state, new_extent)
+        else:
+            moeext.zero_tail_(buf, new_extent, prev_extent)
+
+    x = torch.randn(8, 4, device=device, requires_grad=True)
+    y = x.exp()  # saves its result for the backward
+    state = torch.tensor([8], dtype=torch.int64, device=device)
+    before = (y._version, state._version)
+    zero(y.detach(), state, 2, 8)
+    assert y._version == before[0] + 1
+    assert state._version == before[1] + int(tracked)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    # Inference tensors have no version to bump: written inside inference mode or outside.
+    with torch.inference_mode():
+        buf = torch.ones(8, 4, device=device)
+        state = torch.tensor([8], dtype=torch.int64, device=device)
+        zero(buf, state, 3, 8)
+    assert int(buf[:3].count_nonzero()) == 12 and int(buf[3:].count_nonzero()) == 0
+    zero(buf, state, 1, 3)
+    assert int(buf[:1].count_nonzero()) == 4 and int(buf[1:].count_nonzero()) == 0

@@ -1,14 +1,24 @@
-// Autograd kernels of the routing ops (every backend: the backward is ATen arithmetic).
+// Autograd and ADInplaceOrView kernels of moeext's ops (every backend: the backward is ATen
+// arithmetic).
 //
-// Without them each call took autograd's boxed fallback, which packs all eight arguments into
-// IValues (the scoring function as a freshly allocated string) only to find that nothing
-// requires grad: 0.15 us of the 0.9 us a call with no rows costs. Here that case is one
-// unboxed redispatch, exactly what the fallback then does. Where an input requires grad the
-// weights get a real gradient with respect to the logits (the fallback gave none and warned).
-// The bias and the ids get none: the bias only moves which experts are chosen, and the ids
-// are integers.
+// Autograd, routing op. Without it each call took autograd's boxed fallback, which packs all
+// eight arguments into IValues (the scoring function as a freshly allocated string) only to
+// find that nothing requires grad: 0.15 us of the 0.9 us a call with no rows costs. Here that
+// case is one unboxed redispatch, exactly what the fallback then does. Where an input requires
+// grad the weights get a real gradient with respect to the logits (the fallback gave none and
+// warned). The bias and the ids get none: the bias only moves which experts are chosen, and
+// the ids are integers.
+//
+// ADInplaceOrView, every op that writes into its arguments (the Tensor(a!) ones of the
+// schema): bump the version counter of each tensor written, as torch's own in-place and out=
+// ops do, so that a backward through a value saved before the write raises autograd's "modified
+// by an inplace operation" error instead of silently using the new values. Inference tensors
+// have no counter and are skipped, as torch.library.custom_op's mutating ops skip them
+// (torch.autograd.graph.increment_version): writing one outside inference mode stays allowed,
+// where torch's own fill_ would write it and then raise.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -135,6 +145,24 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_autograd(
   return {outputs[0], outputs[1]};
 }
 
+void bump_version_of_written(const at::Tensor& t) {
+  if (!t.is_inference()) {
+    torch::autograd::impl::bump_version(t);
+  }
+}
+
+const c10::TypedOperatorHandle<void(const at::Tensor&, const std::optional<at::Tensor>&,
+                                   const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
+                                   double, c10::string_view)>&
+biased_grouped_topk_out_handle() {
+  static const auto handle =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
+          .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                      const at::Tensor&, int64_t, int64_t, bool, double, c10::string_view)>();
+  return handle;
+}
+
 // The out= form writes into its arguments and returns nothing, so autograd has nothing to
 // attach a gradient to (the fallback, too, only redispatched): it always runs below autograd.
 void biased_grouped_topk_out_autograd(
@@ -142,14 +170,50 @@ void biased_grouped_topk_out_autograd(
     const std::optional<at::Tensor>& correction_bias, const at::Tensor& topk_weights,
     const at::Tensor& topk_ids, int64_t num_expert_group, int64_t topk_group, bool renormalize,
     double routed_scaling_factor, c10::string_view scoring_func) {
-  static const auto handle =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
-          .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                      const at::Tensor&, int64_t, int64_t, bool, double, c10::string_view)>();
-  handle.redispatch(keys & c10::after_autograd_keyset, gating_output, correction_bias,
-                    topk_weights, topk_ids, num_expert_group, topk_group, renormalize,
-                    routed_scaling_factor, scoring_func);
+  biased_grouped_topk_out_handle().redispatch(
+      keys & c10::after_autograd_keyset, gating_output, correction_bias, topk_weights, topk_ids,
+      num_expert_group, topk_group, renormalize, routed_scaling_factor, scoring_func);
+}
+
+// Unboxed, as the Autograd kernel above redispatches: a boxed kernel here would box the eight
+// arguments on every call again. It costs about 45 ns of a 0.6-0.7 us call (10 of them the
+// guard), inside inference mode too: normal tensors keep their ADInplaceOrView key there.
+void biased_grouped_topk_out_inplace_or_view(
+    c10::DispatchKeySet keys, const at::Tensor& gating_output,
+    const std::optional<at::Tensor>& correction_bias, const at::Tensor& topk_weights,
+    const at::Tensor& topk_ids, int64_t num_expert_group, int64_t topk_group, bool renormalize,
+    double routed_scaling_factor, c10::string_view scoring_func) {
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    biased_grouped_topk_out_handle().redispatch(
+        keys & c10::after_ADInplaceOrView_keyset, gating_output, correction_bias, topk_weights,
+        topk_ids, num_expert_group, topk_group, renormalize, routed_scaling_factor,
+        scoring_func);
+  }
+  bump_version_of_written(topk_weights);
+  bump_version_of_written(topk_ids);
+}
+
+// Any op whose written arguments are plain tensors, read from its schema. Boxed: the zeroing
+// ops have no Autograd kernel, and autograd's fallback hands their arguments on boxed anyway.
+void bump_written_arguments_inplace_or_view(const c10::OperatorHandle& op,
+                                            c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  c10::SmallVector<at::Tensor, 2> written;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) {
+      written.push_back((*stack)[first + i].toTensor());
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) {
+    bump_version_of_written(t);
+  }
 }
 
 }  // namespace
@@ -157,6 +221,14 @@ void biased_grouped_topk_out_autograd(
 TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
   m.impl("biased_grouped_topk", &biased_grouped_topk_autograd);
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_autograd);
+}
+
+TORCH_LIBRARY_IMPL(moeext, ADInplaceOrView, m) {
+  m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_inplace_or_view);
+  m.impl("zero_tail_",
+         torch::CppFunction::makeFromBoxedFunction<&bump_written_arguments_inplace_or_view>());
+  m.impl("zero_tail_tracked_",
+         torch::CppFunction::makeFromBoxedFunction<&bump_written_arguments_inplace_or_view>());
 }
 
 }  // namespace moeext::torch_glue

@@ -135,7 +135,8 @@ def biased_grouped_topk_out(
     are ``[num_tokens, topk]`` with contiguous columns and any row stride, e.g. the first
     ``topk`` columns of a wider persistent buffer whose other columns hold shared experts:
     nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
-    nothing is written at all.
+    nothing is written at all. Records no gradient; bumps the autograd version of both
+    outputs, as torch's ``out=`` ops do, so a backward through a value it overwrote raises.
     """
     if not _is_scripting() and not _is_dynamo_compiling():
         out = _call_biased_grouped_topk_out(
@@ -270,6 +271,9 @@ def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
         buf: any dtype (1-byte and packed types included), at least 1-D, rows (dims 1..)
             contiguous, any stride along dim 0.
         new_extent, prev_extent: row counts, >= 0 (a negative one raises RuntimeError).
+
+    Like ``fill_``, it bumps ``buf``'s autograd version, so a backward through a value it
+    overwrote raises (inference tensors have no version and are written as they are).
     """
     torch.ops.moeext.zero_tail_(buf, new_extent, prev_extent)
 
@@ -282,7 +286,7 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     the previous extent is read from memory when the op runs, a captured CUDA graph replays
     correctly whatever batch ran before it. Start ``state`` at 0 with a zeroed buffer. A
     negative value found in ``state`` is read as 0 (a device cannot reject it without a
-    host sync).
+    host sync). Bumps the autograd versions of ``buf`` and ``state``, as :func:`zero_tail_`.
     """
     torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
 
