@@ -27,7 +27,6 @@ def test_opcheck_biased_grouped_topk(device, num_tokens, with_bias):
                           (logits, bias, weights, ids, 8, 4, True, 2.5, "sqrtsoftplus"))
 
 
-
 @pytest.mark.parametrize("scoring_func", ["sigmoid", "sqrtsoftplus", "softmax"])
 def test_opcheck_biased_grouped_topk_with_gradient(device, scoring_func):
     # Logits that require grad take the autograd kernel: opcheck also checks its registration
@@ -36,6 +35,7 @@ def test_opcheck_biased_grouped_topk_with_gradient(device, scoring_func):
     logits.requires_grad_()
     torch.library.opcheck(torch.ops.moeext.biased_grouped_topk.default,
                           (logits, bias, 8, 4, 8, True, 2.5, scoring_func))
+
 
 @pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2", "deepseek-v4-pro"])
 def test_compile_fullgraph_dynamic_tokens(device, preset):

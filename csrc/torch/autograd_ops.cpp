@@ -32,30 +32,39 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+// The ops' C++ signatures as the dispatcher calls them (schema.cpp).
+using BiasedGroupedTopkSignature = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, bool, double,
-    c10::string_view)>&
-biased_grouped_topk_handle() {
+    c10::string_view);
+using BiasedGroupedTopkOutSignature = void(const at::Tensor&, const std::optional<at::Tensor>&,
+                                           const at::Tensor&, const at::Tensor&, int64_t,
+                                           int64_t, bool, double, c10::string_view);
+
+const c10::TypedOperatorHandle<BiasedGroupedTopkSignature>& biased_grouped_topk_handle() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("moeext::biased_grouped_topk", "")
-                                 .typed<std::tuple<at::Tensor, at::Tensor>(
-                                     const at::Tensor&, const std::optional<at::Tensor>&,
-                                     int64_t, int64_t, int64_t, bool, double,
-                                     c10::string_view)>();
+                                 .typed<BiasedGroupedTopkSignature>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<BiasedGroupedTopkOutSignature>&
+biased_grouped_topk_out_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
+                                 .typed<BiasedGroupedTopkOutSignature>();
   return handle;
 }
 
 // d(score)/d(logit) of the chosen experts, times grad_scores. `x` is the chosen experts'
-// logits in fp32 ([T, topk]); softmax needs the whole row and is handled by the caller. The
-// formulas are those torch's own autograd takes through moeext.reference (sigmoid_backward;
-// sqrt's grad / (2 * result), then softplus_backward with threshold 20).
+// logits in fp32 ([T, topk]) and `s` their scores; softmax needs the whole row and is handled
+// by the caller. The formulas are those torch's own autograd takes through moeext.reference
+// (sigmoid_backward; sqrt's grad / (2 * result), then softplus_backward with threshold 20).
 at::Tensor elementwise_score_backward(const at::Tensor& grad_scores, const at::Tensor& x,
-                                      const std::string& scoring_func) {
+                                      const at::Tensor& s, const std::string& scoring_func) {
   if (scoring_func == "sigmoid") {
-    return at::sigmoid_backward(grad_scores, at::sigmoid(x));
+    return at::sigmoid_backward(grad_scores, s);
   }
-  const at::Tensor root = at::sqrt(at::softplus(x, 1.0, 20.0));
-  return at::softplus_backward(grad_scores / (2 * root), x, 1.0, 20.0);
+  return at::softplus_backward(grad_scores / (2 * s), x, 1.0, 20.0);
 }
 
 struct BiasedGroupedTopkFunction : public torch::autograd::Function<BiasedGroupedTopkFunction> {
@@ -115,7 +124,7 @@ struct BiasedGroupedTopkFunction : public torch::autograd::Function<BiasedGroupe
       grad_logits = scores * (grad_all - (grad_all * scores).sum(-1, true));
     } else {
       grad_logits = at::zeros_like(logits).scatter(
-          1, ids, elementwise_score_backward(grad_s, x, scoring_func));
+          1, ids, elementwise_score_backward(grad_s, x, s, scoring_func));
     }
     return {grad_logits.to(gating_output.scalar_type()), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -149,18 +158,6 @@ void bump_version_of_written(const at::Tensor& t) {
   if (!t.is_inference()) {
     torch::autograd::impl::bump_version(t);
   }
-}
-
-const c10::TypedOperatorHandle<void(const at::Tensor&, const std::optional<at::Tensor>&,
-                                   const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
-                                   double, c10::string_view)>&
-biased_grouped_topk_out_handle() {
-  static const auto handle =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
-          .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                      const at::Tensor&, int64_t, int64_t, bool, double, c10::string_view)>();
-  return handle;
 }
 
 // The out= form writes into its arguments and returns nothing, so autograd has nothing to
