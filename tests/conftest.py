@@ -14,14 +14,24 @@ Fixtures:
 
 Test ids name what runs the kernel: ``avx512``, ``scalar``, ... for the cpu paths, ``cpu`` for
 cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs.
+
+Property-based tests run 300 examples each (hypothesis profile ``moeext``). The ``fuzz``
+profile runs 20,000, for a long search on demand:
+``python -m pytest tests -q -k property --hypothesis-profile=fuzz``.
 """
 
 import contextlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import moeext
+
+settings.register_profile("moeext", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("fuzz", settings.get_profile("moeext"), max_examples=20_000)
+settings.load_profile("moeext")
 
 
 def _devices():

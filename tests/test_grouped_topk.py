@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import moeext
@@ -814,7 +814,6 @@ def routing_problems(draw):
 # Parametrised rather than a fixture: hypothesis reruns the body, not function-scoped fixtures.
 # The drawn CPU path only matters on the cpu.
 @pytest.mark.parametrize("device", DEVICES)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=routing_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
 def test_property_matches_reference(device, problem, isa):
     (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_dtype,
@@ -871,7 +870,6 @@ def near_tie_problems(draw):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=near_tie_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
 def test_property_near_ties_are_valid_choices(device, problem, isa):
     """Near ties the reference's own rounding cannot referee (assert_routing_matches allows a
