@@ -124,26 +124,25 @@ bool softmax_in_registers(const LogitT* logits, int64_t num_experts, float* scor
   // (along which GCC copies the whole function).
   const auto last = typename Vec::Mask((uint32_t(1) << (num_experts - (kVecs - 1) * W)) - 1u);
   Vec x[kVecs];
-  typename Vec::Mask has_nan = 0;
   for (int i = 0; i < kVecs; ++i) {
     x[i] = Vec::load(logits + i * W, i + 1 < kVecs ? Vec::tail_mask(W) : last, kNegInf);
-    has_nan |= Vec::is_nan(x[i]);
   }
   Vec row_max = x[0];
   for (int i = 1; i < kVecs; ++i) row_max = Vec::max(row_max, x[i]);
-  // A NaN anywhere makes the whole row NaN, as in the reference.
-  const float max_value = has_nan ? std::numeric_limits<float>::quiet_NaN()
-                                  : Vec::reduce_max(row_max);
-  const Vec shift = Vec::set1(max_value);
+  // The maximum may miss a NaN (max returns its second operand), but the sum cannot: a NaN
+  // logit's exp is NaN, and so is that of +inf - +inf or -inf - -inf. A NaN sum makes the
+  // whole row NaN, as in the reference.
+  const Vec shift = Vec::set1(Vec::reduce_max(row_max));
   Vec sum = Vec::set1(0.0f);
   for (int i = 0; i < kVecs; ++i) {
-    x[i] = vexp(x[i] - shift);
+    x[i] = vexp_nonpositive(x[i] - shift);
     if (i + 1 == kVecs) x[i] = Vec::select(last, x[i], Vec::set1(0.0f));
     sum = sum + x[i];
   }
-  const Vec inverse = Vec::set1(1.0f / Vec::reduce_add(sum));
+  const float total = Vec::reduce_add(sum);
+  const Vec inverse = Vec::set1(1.0f / total);
   for (int i = 0; i < kVecs; ++i) (x[i] * inverse).store(scores + i * vector_stride);
-  return std::isfinite(max_value);
+  return !std::isnan(total);
 }
 
 // Rows of up to 16 vectors (256 experts on AVX-512) take softmax_in_registers; the row and
@@ -193,22 +192,20 @@ const float* score_row(const LogitT* logits, const BiasT* bias, int64_t num_expe
       }
     }
     // Longer rows: the same steps in three passes over scores.
+    // A NaN the maximum misses still makes the sum NaN (see softmax_in_registers).
     Vec row_max = Vec::set1(kNegInf);
-    typename Vec::Mask has_nan = 0;
     for (int64_t e = 0; e < num_experts; e += W) {
       const auto m = Vec::tail_mask(num_experts - e);
       const Vec x = Vec::load(logits + e, m, kNegInf);
-      has_nan |= Vec::is_nan(x);
       row_max = Vec::max(row_max, x);
       x.store(scores + e, m);
     }
-    const float max_value = has_nan ? std::numeric_limits<float>::quiet_NaN()
-                                    : Vec::reduce_max(row_max);
+    const Vec shift = Vec::set1(Vec::reduce_max(row_max));
     Vec sum = Vec::set1(0.0f);
     for (int64_t e = 0; e < num_experts; e += W) {
       const auto m = Vec::tail_mask(num_experts - e);
       const Vec x = Vec::load(scores + e, m, kNegInf);
-      const Vec ex = Vec::select(m, vexp(x - Vec::set1(max_value)), Vec::set1(0.0f));
+      const Vec ex = Vec::select(m, vexp_nonpositive(x - shift), Vec::set1(0.0f));
       sum = sum + ex;
       ex.store(scores + e, m);
     }

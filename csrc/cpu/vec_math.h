@@ -33,6 +33,14 @@ inline Vec vexp(Vec x) {
   return vexp_reduced(n, Vec::fmadd(n, Vec::set1(-0.693359375f), x));
 }
 
+// exp(x) for x <= 0 (or NaN): softmax's x - max. Without vexp's upper clamp, which such x
+// never reach.
+inline Vec vexp_nonpositive(Vec x) {
+  x = Vec::max(Vec::set1(-104.0f), x);
+  const Vec n = Vec::round(x * Vec::set1(1.44269504088896341f));
+  return vexp_reduced(n, Vec::fmadd(n, Vec::set1(-0.693359375f), x));
+}
+
 // exp(-x) without the negation: it folds into the product and the reduction (IEEE rounding
 // is symmetric under it), bit for bit vexp(0 - x). The sigmoid's scoring is bound by vector
 // operations, about one cycle each: the fold took it from 13.5 to 12.3 cycles a vector of 16

@@ -4,7 +4,9 @@
 // - vexp is within 1 ulp of exp rounded to float wherever that is a normal float, overflows
 //   to inf, underflows to 0 below -104, and passes NaN through;
 // - vexp_neg, the sigmoid's exp(-x) with the negation folded into the range reduction, is
-//   vexp(0 - x) bit for bit, so the sigmoid scores are those of the plain formulation.
+//   vexp(0 - x) bit for bit, so the sigmoid scores are those of the plain formulation;
+// - vexp_nonpositive, softmax's exp without the upper clamp, is vexp bit for bit wherever
+//   x <= 0 or x is NaN.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +24,7 @@ using moeext::cpu::float_to_bits;
 using moeext::cpu::scalar::Vec;
 using moeext::cpu::scalar::vexp;
 using moeext::cpu::scalar::vexp_neg;
+using moeext::cpu::scalar::vexp_nonpositive;
 
 namespace {
 
@@ -57,9 +60,24 @@ void check_exp_neg(float x) {
         float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
 }
 
+void check_exp_nonpositive(float x) {
+  if (!(x <= 0.0f) && !std::isnan(x)) return;
+  const float got = vexp_nonpositive(Vec::set1(x)).v;
+  const float want = vexp(Vec::set1(x)).v;
+  if (std::isnan(want)) {
+    CHECK(std::isnan(got), "vexp_nonpositive(%.9g) = %.9g, expected NaN", double(x),
+          double(got));
+    return;
+  }
+  CHECK(float_to_bits(got) == float_to_bits(want),
+        "vexp_nonpositive(%.9g) (%08x) = %.9g (%08x), expected %.9g (%08x)", double(x),
+        float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
+}
+
 void check(float x) {
   check_exp(x);
   check_exp_neg(x);
+  check_exp_nonpositive(x);
 }
 
 }  // namespace
