@@ -25,21 +25,21 @@ inline Vec vexp_reduced(Vec n, Vec r_hi) {
   return Vec::scalef(Vec::fmadd(q, r * r, r + Vec::set1(1.0f)), n);
 }
 
-inline Vec vexp(Vec x) {
-  // Clamp with x as the second operand so a NaN x passes through. Below -104 the result
-  // underflows to 0 and above 89 it overflows to inf; scalef does both exactly.
-  x = Vec::min(Vec::set1(89.0f), Vec::max(Vec::set1(-104.0f), x));
+// e^x for x in [-104, 89] or NaN: the callers clamp.
+inline Vec vexp_clamped(Vec x) {
   const Vec n = Vec::round(x * Vec::set1(1.44269504088896341f));
   return vexp_reduced(n, Vec::fmadd(n, Vec::set1(-0.693359375f), x));
 }
 
+inline Vec vexp(Vec x) {
+  // Clamp with x as the second operand so a NaN x passes through. Below -104 the result
+  // underflows to 0 and above 89 it overflows to inf; scalef does both exactly.
+  return vexp_clamped(Vec::min(Vec::set1(89.0f), Vec::max(Vec::set1(-104.0f), x)));
+}
+
 // exp(x) for x <= 0 (or NaN): softmax's x - max. Without vexp's upper clamp, which such x
 // never reach.
-inline Vec vexp_nonpositive(Vec x) {
-  x = Vec::max(Vec::set1(-104.0f), x);
-  const Vec n = Vec::round(x * Vec::set1(1.44269504088896341f));
-  return vexp_reduced(n, Vec::fmadd(n, Vec::set1(-0.693359375f), x));
-}
+inline Vec vexp_nonpositive(Vec x) { return vexp_clamped(Vec::max(Vec::set1(-104.0f), x)); }
 
 // exp(-x) without the negation: it folds into the product and the reduction (IEEE rounding
 // is symmetric under it), bit for bit vexp(0 - x). The sigmoid's scoring is bound by vector
