@@ -94,6 +94,9 @@ def test_opcheck_zero_tail(device):
         torch.library.opcheck(torch.ops.moeext.zero_tail_.default, (buf, 9, 2))
         state = torch.tensor([11], dtype=torch.int64, device=device)
         torch.library.opcheck(torch.ops.moeext.zero_tail_tracked_.default, (buf, state, 4))
+    # A value of a graph: the zeroing is recorded for the backward.
+    buf = torch.randn(12, 3, device=device, requires_grad=True) * 2
+    torch.library.opcheck(torch.ops.moeext.zero_tail_.default, (buf, 2, 9))
 
 
 def test_compile_zero_tail(device):
@@ -112,6 +115,24 @@ def test_compile_zero_tail(device):
         total = compiled(n, torch.full((n, 4), 2, dtype=torch.int32, device=device))
         assert int(state) == n
         assert int(total) == 8 * n and int(buf[n:].count_nonzero()) == 0
+
+
+def test_compile_zero_tail_gradient(device):
+    torch._dynamo.reset()
+
+    def loss(x, n, w):
+        y = x * 2
+        moeext.zero_tail_(y, n, 9)
+        return (y * w).sum()  # not y * y: its gradient in the zeroed rows is 0 either way
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True)
+    for n in (3, 5):
+        x = torch.randn(12, 4, device=device, requires_grad=True)
+        w = torch.randn(12, 4, device=device)
+        expected = torch.autograd.grad(loss(x, n, w), x)[0]
+        got = torch.autograd.grad(compiled(x, n, w), x)[0]
+        assert not got[n:9].any() and bool(got[:n].ne(0).all() and got[9:].ne(0).all())
+        torch.testing.assert_close(got, expected)
 
 
 def test_opcheck_shuffles(device):

@@ -184,3 +184,57 @@ def test_bumps_the_versions_of_what_it_writes(device, tracked):
     assert int(buf[:3].count_nonzero()) == 12 and int(buf[3:].count_nonzero()) == 0
     zero(buf, state, 1, 3)
     assert int(buf[:1].count_nonzero()) == 4 and int(buf[1:].count_nonzero()) == 0
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradient_through_the_zeroed_rows_matches_the_reference(device, dtype):
+    # As torch's own zero_: the zeroed rows pass no gradient back, the others pass it on.
+    # The buffer is a value of the graph, or a row-strided view of one.
+    for view, new_extent, prev_extent in [(False, 3, 9), (True, 2, 5), (False, 0, 40),
+                                          (True, 4, 4), (False, 6, 2), (True, 0, 0)]:
+        results = []
+        for impl in (moeext, moeext.reference):
+            torch.manual_seed(0)
+            x = torch.randn(11, 3, 2, device=device, dtype=dtype, requires_grad=True)
+            y = x * 1.5
+            impl.zero_tail_(y[1::2] if view else y, new_extent, prev_extent)
+            g = torch.randn(11, 2, 3, device=device, dtype=dtype).transpose(1, 2)
+            (y * g).sum().backward()
+            results.append((y.detach(), x.grad))
+        assert torch.equal(results[0][0], results[1][0]), (view, new_extent, prev_extent)
+        assert torch.equal(results[0][1], results[1][1]), (view, new_extent, prev_extent)
+
+
+def test_refuses_a_leaf_that_requires_grad_and_writes_nothing(device):
+    # torch's in-place ops refuse these too: the leaf is the value its gradient is taken at.
+    x = torch.ones(6, 2, device=device, requires_grad=True)
+    for buf, message in [(x, "zero_tail_: buf is a leaf tensor that requires grad"),
+                         (x[1:], "zero_tail_: buf is a view of a leaf tensor that requires grad")]:
+        with pytest.raises(RuntimeError, match=message):
+            moeext.zero_tail_(buf, 2, 6)
+        assert bool((x == 1).all()) and x._version == 0
+    # A view autograd cannot rewrite gets torch's own explanation, also before any write.
+    y = x * 2
+    row = y.unbind(0)[0]
+    with pytest.raises(RuntimeError, match="multiple views"):
+        moeext.zero_tail_(row, 0, 2)
+    assert bool((y == 2).all())
+    # Under no_grad the leaf is written, as with torch's zero_.
+    with torch.no_grad():
+        moeext.zero_tail_(x, 2, 6)
+    assert int(x[:2].count_nonzero()) == 4 and int(x[2:].count_nonzero()) == 0
+
+
+def test_tracked_form_refuses_a_buffer_that_requires_grad(device):
+    # Its zeroed rows depend on a device value a compiled backward cannot be trusted to keep
+    # (the op's comment): no gradient rather than a wrong one under torch.compile.
+    x = torch.ones(6, 2, device=device, requires_grad=True)
+    state = torch.tensor([6], dtype=torch.int64, device=device)
+    for buf in (x * 2, x):
+        with pytest.raises(RuntimeError, match="zero_tail_tracked_: buf requires grad"):
+            moeext.zero_tail_tracked_(buf, state, 2)
+        assert bool(buf.ne(0).all()) and int(state) == 6 and state._version == 0
+    with torch.no_grad():
+        moeext.zero_tail_tracked_(x, state, 2)
+    assert int(x[2:].count_nonzero()) == 0 and int(state) == 2

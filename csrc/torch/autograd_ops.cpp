@@ -9,6 +9,13 @@
 // warned). The bias and the ids get none: the bias only moves which experts are chosen, and
 // the ids are integers.
 //
+// Autograd, zeroing ops. Without a kernel they took the boxed fallback, which wrote the zeros
+// into a tensor of the graph and left its history alone: a backward through the zeroed rows
+// passed the gradient on as if nothing had been written (torch's zero_ gives those rows a zero
+// gradient). Now, where buf requires grad, zero_tail_ records the write as torch records an
+// in-place op, and refuses a leaf (or a view of one) that requires grad before writing, as
+// torch's in-place ops do; zero_tail_tracked_ refuses every such buf (see its kernel).
+//
 // ADInplaceOrView, every op that writes into its arguments (the Tensor(a!) ones of the
 // schema): bump the version counter of each tensor written, as torch's own in-place and out=
 // ops do, so that a backward through a value saved before the write raises autograd's "modified
@@ -20,8 +27,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -40,6 +49,9 @@ using BiasedGroupedTopkOutSignature = void(const at::Tensor&, const std::optiona
                                            const at::Tensor&, const at::Tensor&, int64_t,
                                            int64_t, bool, double, c10::string_view);
 
+using ZeroTailSignature = void(const at::Tensor&, int64_t, int64_t);
+using ZeroTailTrackedSignature = void(const at::Tensor&, const at::Tensor&, int64_t);
+
 const c10::TypedOperatorHandle<BiasedGroupedTopkSignature>& biased_grouped_topk_handle() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("moeext::biased_grouped_topk", "")
@@ -52,6 +64,20 @@ biased_grouped_topk_out_handle() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
                                  .typed<BiasedGroupedTopkOutSignature>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<ZeroTailSignature>& zero_tail_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moeext::zero_tail_", "")
+                                 .typed<ZeroTailSignature>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<ZeroTailTrackedSignature>& zero_tail_tracked_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moeext::zero_tail_tracked_", "")
+                                 .typed<ZeroTailTrackedSignature>();
   return handle;
 }
 
@@ -154,6 +180,90 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_autograd(
   return {outputs[0], outputs[1]};
 }
 
+// torch's own in-place ops make this check before writing (check_inplace); here the messages
+// name the op and the argument. Views that autograd cannot rewrite (made under no_grad, or by
+// a multi-output op such as unbind) get torch's own explanation.
+void check_writable_with_grad(const at::Tensor& t, const char* op, const char* name) {
+  using torch::autograd::can_mutate_inplace_result;
+  switch (torch::autograd::can_mutate_inplace(t, /*requires_grad=*/true)) {
+    case can_mutate_inplace_result::success:
+      return;
+    case can_mutate_inplace_result::non_default_backward_view:
+      torch::autograd::handle_view_on_rebase(torch::autograd::impl::get_view_autograd_meta(t));
+      return;
+    case can_mutate_inplace_result::view_of_leaf:
+      TORCH_CHECK(false, op, ": ", name,
+                  " is a view of a leaf tensor that requires grad, which cannot be written in "
+                  "place while grad mode is on (write it under torch.no_grad())");
+    case can_mutate_inplace_result::is_leaf:
+      TORCH_CHECK(false, op, ": ", name,
+                  " is a leaf tensor that requires grad, which cannot be written in place "
+                  "while grad mode is on (write it under torch.no_grad())");
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled can_mutate_inplace result");
+}
+
+// The gradient of buf after zeroing is the gradient before it, with the zeroed rows cleared.
+at::Tensor clear_zeroed_rows(const at::Tensor& grad, int64_t begin, int64_t end) {
+  const int64_t rows = grad.size(0);
+  begin = std::min(begin, rows);
+  end = std::min(end, rows);
+  at::Tensor out = grad.clone();
+  if (end > begin) {
+    out.narrow(0, begin, end - begin).zero_();
+  }
+  return out;
+}
+
+struct ZeroTailFunction : public torch::autograd::Function<ZeroTailFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& buf, int64_t new_extent,
+                               int64_t prev_extent) {
+    zero_tail_handle().call(buf, new_extent, prev_extent);
+    ctx->mark_dirty({buf});
+    ctx->saved_data["new_extent"] = new_extent;
+    ctx->saved_data["prev_extent"] = prev_extent;
+    return {buf};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& grad = grad_outputs[0];
+    if (!grad.defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    return {clear_zeroed_rows(grad, ctx->saved_data["new_extent"].toInt(),
+                              ctx->saved_data["prev_extent"].toInt()),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+void zero_tail_autograd(c10::DispatchKeySet keys, const at::Tensor& buf, int64_t new_extent,
+                        int64_t prev_extent) {
+  if (!at::GradMode::is_enabled() || !buf.requires_grad()) {
+    zero_tail_handle().redispatch(keys & c10::after_autograd_keyset, buf, new_extent,
+                                  prev_extent);
+    return;
+  }
+  check_writable_with_grad(buf, "zero_tail_", "buf");
+  ZeroTailFunction::apply(buf, new_extent, prev_extent);
+}
+
+void zero_tail_tracked_autograd(c10::DispatchKeySet keys, const at::Tensor& buf,
+                                const at::Tensor& state, int64_t new_extent) {
+  if (!at::GradMode::is_enabled() || !buf.requires_grad()) {
+    zero_tail_tracked_handle().redispatch(keys & c10::after_autograd_keyset, buf, state,
+                                          new_extent);
+    return;
+  }
+  // The rows zeroed depend on the extent the state held, which a backward could only keep as
+  // a tensor saved from before the write; torch.compile (2.13) may hand the backward the state
+  // input itself instead, after the new extent is stored in it (pure-PyTorch code that saves
+  // a clone of an input it then mutates gets the same wrong gradient). Refused rather than
+  // differentiable in eager mode alone.
+  TORCH_CHECK(false, "zero_tail_tracked_: buf requires grad, but the tracked form records no "
+              "gradient (use zero_tail_, whose extents are ints, or call this under "
+              "torch.no_grad())");
+}
+
 void bump_version_of_written(const at::Tensor& t) {
   if (!t.is_inference()) {
     torch::autograd::impl::bump_version(t);
@@ -191,26 +301,26 @@ void biased_grouped_topk_out_inplace_or_view(
   bump_version_of_written(topk_ids);
 }
 
-// Any op whose written arguments are plain tensors, read from its schema. Boxed: the zeroing
-// ops have no Autograd kernel, and autograd's fallback hands their arguments on boxed anyway.
-void bump_written_arguments_inplace_or_view(const c10::OperatorHandle& op,
-                                            c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const auto& arguments = op.schema().arguments();
-  const size_t first = stack->size() - arguments.size();
-  c10::SmallVector<at::Tensor, 2> written;
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const c10::AliasInfo* alias = arguments[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) {
-      written.push_back((*stack)[first + i].toTensor());
-    }
-  }
+// Unboxed, as the Autograd kernels above redispatch.
+void zero_tail_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& buf,
+                               int64_t new_extent, int64_t prev_extent) {
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    zero_tail_handle().redispatch(keys & c10::after_ADInplaceOrView_keyset, buf, new_extent,
+                                  prev_extent);
   }
-  for (const at::Tensor& t : written) {
-    bump_version_of_written(t);
+  bump_version_of_written(buf);
+}
+
+void zero_tail_tracked_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& buf,
+                                       const at::Tensor& state, int64_t new_extent) {
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    zero_tail_tracked_handle().redispatch(keys & c10::after_ADInplaceOrView_keyset, buf, state,
+                                          new_extent);
   }
+  bump_version_of_written(buf);
+  bump_version_of_written(state);
 }
 
 }  // namespace
@@ -218,14 +328,14 @@ void bump_written_arguments_inplace_or_view(const c10::OperatorHandle& op,
 TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
   m.impl("biased_grouped_topk", &biased_grouped_topk_autograd);
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_autograd);
+  m.impl("zero_tail_", &zero_tail_autograd);
+  m.impl("zero_tail_tracked_", &zero_tail_tracked_autograd);
 }
 
 TORCH_LIBRARY_IMPL(moeext, ADInplaceOrView, m) {
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_inplace_or_view);
-  m.impl("zero_tail_",
-         torch::CppFunction::makeFromBoxedFunction<&bump_written_arguments_inplace_or_view>());
-  m.impl("zero_tail_tracked_",
-         torch::CppFunction::makeFromBoxedFunction<&bump_written_arguments_inplace_or_view>());
+  m.impl("zero_tail_", &zero_tail_inplace_or_view);
+  m.impl("zero_tail_tracked_", &zero_tail_tracked_inplace_or_view);
 }
 
 }  // namespace moeext::torch_glue

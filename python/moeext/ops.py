@@ -272,8 +272,11 @@ def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
             contiguous, any stride along dim 0.
         new_extent, prev_extent: row counts, >= 0 (a negative one raises RuntimeError).
 
-    Like ``fill_``, it bumps ``buf``'s autograd version, so a backward through a value it
-    overwrote raises (inference tensors have no version and are written as they are).
+    Autograd as for ``fill_``/``zero_``: it bumps ``buf``'s version, so a backward through a
+    value it overwrote raises (inference tensors have no version and are written as they
+    are); where ``buf`` requires grad in grad mode the zeroing is recorded, so the zeroed
+    rows pass no gradient back, and a leaf that requires grad (or a view of one) raises
+    RuntimeError before anything is written.
     """
     torch.ops.moeext.zero_tail_(buf, new_extent, prev_extent)
 
@@ -287,6 +290,9 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     correctly whatever batch ran before it. Start ``state`` at 0 with a zeroed buffer. A
     negative value found in ``state`` is read as 0 (a device cannot reject it without a
     host sync). Bumps the autograd versions of ``buf`` and ``state``, as :func:`zero_tail_`.
+    Records no gradient: a ``buf`` that requires grad in grad mode raises RuntimeError before
+    anything is written (a compiled backward could not be trusted with the previous extent;
+    the README says why), so differentiate through :func:`zero_tail_` instead.
     """
     torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
 
