@@ -996,12 +996,27 @@ def test_no_graph_where_no_gradient_is_wanted(device):
     with torch.inference_mode():
         weights, ids = moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
     assert weights.is_inference() and torch.equal(ids, expected[1])
-    # The out= form writes its buffers and records nothing, with or without grad mode.
+    # The out= form records no gradient: where one is wanted it raises before writing, as
+    # torch's out= ops do; under no_grad it writes and records nothing.
     out_w = torch.zeros(5, 8, device=device)
     out_ids = torch.zeros(5, 8, dtype=torch.int32, device=device)
-    moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 8, 4)
+    for call in (moeext.biased_grouped_topk_out, torch.ops.moeext.biased_grouped_topk_out):
+        with pytest.raises(RuntimeError, match="gating_output requires grad, but the out= form"):
+            call(logits, bias, out_w, out_ids, 8, 4)
+        assert not out_w.any() and not out_ids.any() and out_w._version == 0
+    with torch.no_grad():
+        moeext.biased_grouped_topk_out(logits, bias, out_w, out_ids, 8, 4)
     assert not out_w.requires_grad and out_w.grad_fn is None
     assert torch.equal(out_w, expected[0]) and torch.equal(out_ids, expected[1])
+    # Writing into weights that require grad is refused the same way.
+    grad_w = torch.zeros(5, 8, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="topk_weights requires grad, but the out= form"):
+        moeext.biased_grouped_topk_out(logits.detach(), bias, grad_w, out_ids, 8, 4)
+    assert not grad_w.any()
+    # A bias that requires grad is let through, as in the functional form: the weights'
+    # derivative in it is zero wherever it exists.
+    moeext.biased_grouped_topk_out(logits.detach(), bias.requires_grad_(), out_w, out_ids, 8, 4)
+    assert not out_w.requires_grad and torch.equal(out_ids, expected[1])
 
 
 def test_out_form_bumps_the_versions_of_what_it_writes(device):

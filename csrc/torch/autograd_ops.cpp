@@ -271,12 +271,23 @@ void bump_version_of_written(const at::Tensor& t) {
 }
 
 // The out= form writes into its arguments and returns nothing, so autograd has nothing to
-// attach a gradient to (the fallback, too, only redispatched): it always runs below autograd.
+// attach a gradient to. Where one was wanted it raises, as torch's out= ops do, rather than
+// leave weights that look computed from the logits but carry no gradient. A bias that requires
+// grad is let through: the weights' derivative in it is zero wherever it exists (the bias only
+// moves the choice), which is what the functional form gives it too.
 void biased_grouped_topk_out_autograd(
     c10::DispatchKeySet keys, const at::Tensor& gating_output,
     const std::optional<at::Tensor>& correction_bias, const at::Tensor& topk_weights,
     const at::Tensor& topk_ids, int64_t num_expert_group, int64_t topk_group, bool renormalize,
     double routed_scaling_factor, c10::string_view scoring_func) {
+  if (at::GradMode::is_enabled()) {
+    TORCH_CHECK(!gating_output.requires_grad() && !topk_weights.requires_grad(),
+                "biased_grouped_topk_out: ",
+                gating_output.requires_grad() ? "gating_output" : "topk_weights",
+                " requires grad, but the out= form records no gradient (call "
+                "biased_grouped_topk for differentiable weights, or call this under "
+                "torch.no_grad())");
+  }
   biased_grouped_topk_out_handle().redispatch(
       keys & c10::after_autograd_keyset, gating_output, correction_bias, topk_weights, topk_ids,
       num_expert_group, topk_group, renormalize, routed_scaling_factor, scoring_func);

@@ -135,8 +135,11 @@ def biased_grouped_topk_out(
     are ``[num_tokens, topk]`` with contiguous columns and any row stride, e.g. the first
     ``topk`` columns of a wider persistent buffer whose other columns hold shared experts:
     nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
-    nothing is written at all. Records no gradient; bumps the autograd version of both
-    outputs, as torch's ``out=`` ops do, so a backward through a value it overwrote raises.
+    nothing is written at all. Records no gradient: in grad mode, a ``gating_output`` or
+    ``topk_weights`` that requires grad raises RuntimeError before anything is written, as
+    torch's ``out=`` ops raise (use :func:`biased_grouped_topk`, or ``torch.no_grad()``).
+    Bumps the autograd version of both outputs, as torch's ``out=`` ops do, so a backward
+    through a value it overwrote raises.
     """
     if not _is_scripting() and not _is_dynamo_compiling():
         out = _call_biased_grouped_topk_out(
