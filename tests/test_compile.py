@@ -181,6 +181,9 @@ def test_opcheck_router_gemm(device, num_tokens, out_dtype):
     if hidden.device.type == "cpu":
         torch.library.opcheck(torch.ops.moeext.router_gemm.default,
                               (hidden, moeext.prepack_router_weight(weight.cpu()), out_dtype))
+    # With a gradient (opcheck compares the compiled backward with the eager one).
+    torch.library.opcheck(torch.ops.moeext.router_gemm.default,
+                          (hidden.float().requires_grad_(), weight.float().requires_grad_()))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -205,6 +208,30 @@ def test_compile_router_gemm_then_routing(device, out_dtype):
         assert torch.equal(got[2], expected[2])
         assert torch.equal(got[1], expected[1])
         torch.testing.assert_close(got[0], expected[0])
+
+
+def test_compile_gradient_through_the_gate(device):
+    """A trained gate: the routing weights' gradient reaches the router weight and the hidden
+    states through router_gemm, compiled as eagerly."""
+    torch._dynamo.reset()
+    p = PRESETS["deepseek-v3"]
+    g = torch.Generator().manual_seed(1)
+    bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)).to(device)
+
+    def loss(hidden, weight, grad_weights):
+        logits = moeext.router_gemm(hidden, weight)
+        weights, _ = moeext.biased_grouped_topk(logits, bias, **p.op_kwargs())
+        return (weights * grad_weights).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True)
+    for num_tokens in (3, 17):
+        hidden = torch.randn(num_tokens, 96, generator=g).to(device).requires_grad_()
+        weight = (0.1 * torch.randn(p.num_experts, 96, generator=g)).to(device).requires_grad_()
+        grad_weights = torch.randn(num_tokens, p.topk, generator=g).to(device)
+        expected = torch.autograd.grad(loss(hidden, weight, grad_weights), (hidden, weight))
+        got = torch.autograd.grad(compiled(hidden, weight, grad_weights), (hidden, weight))
+        assert bool(got[1].ne(0).any())
+        torch.testing.assert_close(got, expected)
 
 
 def test_compile_router_gemm_with_a_prepacked_weight():

@@ -225,3 +225,34 @@ def test_compile_fullgraph_prepacked():
             got = compiled(hidden, return_logits=True)
         for a, b in zip(got, expected):
             assert torch.equal(a, b)
+
+
+def test_trains_through_the_gate(device):
+    # The routing weights' gradient reaches the router weight as it does through the
+    # reference ops (torch's autograd through fp64 products and plain-PyTorch routing).
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 96, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        router.e_score_correction_bias.normal_(2.0, 0.05)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 5, 96, generator=g).to(device)
+    grad_weights = torch.randn(10, 8, generator=g).to(device)
+    topk_weights, _ = router(hidden)
+    (topk_weights * grad_weights).sum().backward()
+
+    weight = router.weight.detach().clone().requires_grad_()
+    logits = moeext.reference.router_gemm(hidden.reshape(-1, 96), weight)
+    expected, _ = moeext.reference.biased_grouped_topk(
+        logits, router.e_score_correction_bias, **PRESETS["deepseek-v3"].op_kwargs())
+    (expected * grad_weights).sum().backward()
+    assert router.e_score_correction_bias.grad is None
+    torch.testing.assert_close(router.weight.grad, weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_prepacked_weight_is_frozen():
+    router = GroupedTopKRouter.from_preset("kimi-k2", 64, prepack_weight=True)
+    assert not router.weight.requires_grad
+    hidden = torch.randn(3, 64).bfloat16()
+    topk_weights, _ = router(hidden)  # grad mode on, nothing requires grad: runs
+    assert not topk_weights.requires_grad
+    with pytest.raises(RuntimeError, match="router_gemm: hidden_states requires grad"):
+        router(hidden.requires_grad_())

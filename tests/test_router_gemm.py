@@ -377,3 +377,53 @@ def test_gpu_rejects_a_prepacked_weight(device):
     with pytest.raises(RuntimeError, match=r"router_gemm: a prepacked weight "
                        r"\(moeext.prepack_router_weight\) is a CPU layout"):
         moeext.router_gemm(hidden, packed)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [0, 1, 17])
+def test_gradient_matches_the_reference(device, dtype, out_dtype, num_tokens):
+    # The reference's gradient is torch's through the fp64 product; moeext's is computed in
+    # fp32, and each is rounded once to its input's dtype. Hidden states are strided rows.
+    wide, _ = make_inputs(num_tokens, 2 * 333, 13, dtype=dtype, seed=num_tokens, device=device)
+    _, weight = make_inputs(num_tokens, 333, 13, dtype=dtype, seed=num_tokens, device=device)
+    hidden = wide[:, :333]
+    grad_logits = torch.randn(num_tokens, 13, device=device).to(out_dtype or torch.float32)
+    grads = []
+    for impl in (moeext, reference):
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_()
+        impl.router_gemm(h, w, out_dtype).backward(grad_logits)
+        assert h.grad.dtype == dtype and w.grad.dtype == dtype
+        grads.append((h.grad, w.grad))
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for got, expected in zip(grads[0], grads[1]):
+        scale = expected.abs().max().item() if expected.numel() else 0.0
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol * scale)
+
+
+def test_gradient_only_where_asked(device):
+    hidden, weight = make_inputs(5, 64, 9, device=device)
+    h = hidden.clone().requires_grad_()
+    moeext.router_gemm(h, weight).sum().backward()
+    torch.testing.assert_close(h.grad.float(), weight.float().sum(0).expand(5, 64),
+                               rtol=1e-2, atol=1e-3)
+    w = weight.clone().requires_grad_()
+    moeext.router_gemm(hidden, w).sum().backward()
+    torch.testing.assert_close(w.grad.float(), hidden.float().sum(0).expand(9, 64),
+                               rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        assert not moeext.router_gemm(h, w).requires_grad
+
+
+def test_prepacked_weight_refuses_a_gradient():
+    hidden, weight = make_inputs(3, 64, 9)
+    packed = moeext.prepack_router_weight(weight)
+    expected = moeext.router_gemm(hidden, packed)
+    for h, w, name in [(hidden.clone().requires_grad_(), packed, "hidden_states"),
+                       (hidden, packed.clone().requires_grad_(), "weight")]:
+        with pytest.raises(RuntimeError, match=f"router_gemm: {name} requires grad, but a "
+                                               "prepacked weight has no gradient"):
+            moeext.router_gemm(h, w)
+        with torch.no_grad():
+            assert torch.equal(moeext.router_gemm(h, w), expected)

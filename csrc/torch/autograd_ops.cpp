@@ -9,6 +9,10 @@
 // warned). The bias and the ids get none: the bias only moves which experts are chosen, and
 // the ids are integers.
 //
+// Autograd, router GEMM. The fallback gave hidden states and weight no gradient and warned
+// only when the backward ran, so a gate trained through moeext.nn.GroupedTopKRouter silently
+// kept its weight. Now both get the GEMM's gradient.
+//
 // Autograd, zeroing ops. Without a kernel they took the boxed fallback, which wrote the zeros
 // into a tensor of the graph and left its history alone: a backward through the zeroed rows
 // passed the gradient on as if nothing had been written (torch's zero_ gives those rows a zero
@@ -49,6 +53,8 @@ using BiasedGroupedTopkOutSignature = void(const at::Tensor&, const std::optiona
                                            const at::Tensor&, const at::Tensor&, int64_t,
                                            int64_t, bool, double, c10::string_view);
 
+using RouterGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                       std::optional<c10::ScalarType>);
 using ZeroTailSignature = void(const at::Tensor&, int64_t, int64_t);
 using ZeroTailTrackedSignature = void(const at::Tensor&, const at::Tensor&, int64_t);
 
@@ -64,6 +70,13 @@ biased_grouped_topk_out_handle() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
                                  .typed<BiasedGroupedTopkOutSignature>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<RouterGemmSignature>& router_gemm_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moeext::router_gemm", "")
+                                 .typed<RouterGemmSignature>();
   return handle;
 }
 
@@ -178,6 +191,56 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_autograd(
       gating_output, correction_bias, num_expert_group, topk_group, topk, renormalize,
       routed_scaling_factor, std::string(scoring_func.data(), scoring_func.size()));
   return {outputs[0], outputs[1]};
+}
+
+// logits = hidden_states @ weight.T, so the gradients are grad @ weight and grad.T @
+// hidden_states, each computed in fp32 (as the forward accumulates) and returned in its
+// input's dtype.
+struct RouterGemmFunction : public torch::autograd::Function<RouterGemmFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden_states,
+                               const at::Tensor& weight,
+                               std::optional<c10::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    at::Tensor logits = router_gemm_handle().call(hidden_states, weight, out_dtype);
+    ctx->save_for_backward({hidden_states, weight});
+    return {logits};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& grad_logits = grad_outputs[0];
+    if (!grad_logits.defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden_states = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor g = grad_logits.to(at::kFloat);
+    at::Tensor grad_hidden, grad_weight;
+    if (ctx->needs_input_grad(0)) {
+      grad_hidden = g.mm(weight.to(at::kFloat)).to(hidden_states.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = g.t().mm(hidden_states.to(at::kFloat)).to(weight.scalar_type());
+    }
+    return {grad_hidden, grad_weight, at::Tensor()};
+  }
+};
+
+at::Tensor router_gemm_autograd(c10::DispatchKeySet keys, const at::Tensor& hidden_states,
+                                const at::Tensor& weight,
+                                std::optional<c10::ScalarType> out_dtype) {
+  if (!at::GradMode::is_enabled() ||
+      (!hidden_states.requires_grad() && !weight.requires_grad())) {
+    return router_gemm_handle().redispatch(keys & c10::after_autograd_keyset, hidden_states,
+                                           weight, out_dtype);
+  }
+  // Its gradient would have to be packed, and the hidden states' read through the tiles: a
+  // serving layout, made once under no_grad, with no use for either.
+  TORCH_CHECK(weight.dim() != 3, "router_gemm: ",
+              hidden_states.requires_grad() ? "hidden_states" : "weight",
+              " requires grad, but a prepacked weight has no gradient formula (pass the "
+              "[num_experts, hidden_size] weight, or call this under torch.no_grad())");
+  return RouterGemmFunction::apply(hidden_states, weight, out_dtype)[0];
 }
 
 // torch's own in-place ops make this check before writing (check_inplace); here the messages
@@ -339,6 +402,7 @@ void zero_tail_tracked_inplace_or_view(c10::DispatchKeySet keys, const at::Tenso
 TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
   m.impl("biased_grouped_topk", &biased_grouped_topk_autograd);
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_autograd);
+  m.impl("router_gemm", &router_gemm_autograd);
   m.impl("zero_tail_", &zero_tail_autograd);
   m.impl("zero_tail_tracked_", &zero_tail_tracked_autograd);
 }

@@ -29,8 +29,11 @@ class GroupedTopKRouter(torch.nn.Module):
     kernel reads its dtype, and rounding a bias of ~2 to bf16 changes the chosen experts.
 
     ``forward`` runs two ops and nothing else (no casts, no host synchronisation), so it
-    traces under ``torch.compile(fullgraph=True)``. Inference only: ``router_gemm`` has no
-    autograd formula.
+    traces under ``torch.compile(fullgraph=True)``. Differentiable with the ``nn.Linear``
+    layout: ``topk_weights`` carries its gradient to ``weight`` and the hidden states (the
+    bias and the ids get none, as in :func:`moeext.biased_grouped_topk`). A prepacked weight
+    is a serving layout without a gradient formula: its parameter is created with
+    ``requires_grad=False``, and hidden states that require grad raise RuntimeError.
 
     Args:
         hidden_size, num_experts: the gate's shape.
@@ -87,7 +90,8 @@ class GroupedTopKRouter(torch.nn.Module):
         self.logits_dtype = logits_dtype
         shape = ((hidden_size + 1) // 2, num_experts, 2) if prepack_weight else (num_experts,
                                                                                    hidden_size)
-        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                         requires_grad=not prepack_weight)
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if has_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.register_load_state_dict_pre_hook(_accept_deepseek_bias_name)

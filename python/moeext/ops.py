@@ -197,9 +197,14 @@ def router_gemm(
     Returns:
         ``[num_tokens, num_experts]`` logits in ``out_dtype`` (float32 by default).
 
+    Gradients: where an input requires grad (and grad mode is on), the logits are
+    differentiable: ``grad @ weight`` and ``grad.T @ hidden_states``, computed in fp32 and
+    returned in the inputs' dtype. A prepacked weight has no gradient formula.
+
     Raises:
         RuntimeError: naming the offending argument, for a shape, dtype, device, stride or
-        ``out_dtype`` outside the contract (a prepacked weight on a GPU included).
+        ``out_dtype`` outside the contract (a prepacked weight on a GPU included), or for a
+        prepacked weight where a gradient is wanted.
     """
     return torch.ops.moeext.router_gemm(hidden_states, weight, out_dtype)
 
