@@ -1,5 +1,7 @@
 """moeext.biased_grouped_topk against moeext.reference (SPEC.md section 1)."""
 
+import random
+
 import pytest
 import torch
 from hypothesis import given
@@ -585,6 +587,106 @@ def test_invalid_out_arguments(device, change, message, caller):
         route_out(**args, **out)
     for t in out.values():
         assert bool((t == -3).all()) or bool((t == 0).all())
+
+
+@pytest.mark.parametrize("caller", list(CALLERS))
+def test_out_must_not_overlap_its_inputs_or_itself(device, caller):
+    # As torch's out= ops: a write into memory a read or another write covers would make the
+    # result depend on the order the kernel touches it in. Refused before anything is written.
+    route_out = CALLERS[caller][1]
+    args = _valid_args(device)
+    del args["topk"]
+    num_tokens, num_experts = args["gating_output"].shape
+    # One workspace holding the logits and both outputs side by side in each row: no
+    # element is shared, so it is accepted, and gives what separate buffers give.
+    workspace = torch.zeros(num_tokens, num_experts + 16, device=device)
+    workspace[:, :num_experts] = args["gating_output"].float()
+    logits = workspace[:, :num_experts]
+    bias = args["correction_bias"]
+    expected = moeext.biased_grouped_topk(logits, bias, args["num_expert_group"],
+                                          args["topk_group"], 8)
+    weights = workspace[:, num_experts:num_experts + 8]
+    ids = workspace[:, num_experts + 8:].view(torch.int32)
+    call = {k: v for k, v in args.items() if k not in ("gating_output", "correction_bias")}
+    route_out(gating_output=logits, correction_bias=bias, topk_weights=weights, topk_ids=ids,
+              **call)
+    assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+
+    def sentinel(*shape, dtype=torch.float32):
+        return torch.full(shape, -3, dtype=dtype, device=device)
+
+    logits_before = logits.clone()
+    other_ids = sentinel(num_tokens, 8, dtype=torch.int32)
+    other_weights = sentinel(num_tokens, 8)
+    shared = sentinel(num_tokens, 8)
+    bias_home = sentinel(num_tokens + 1, num_experts)  # row 0 the bias, rows 1.. weights
+    bias_home[0] = bias
+    cases = [
+        (workspace[:, 2:10], other_ids, bias, "topk_weights and gating_output share memory"),
+        (other_weights, workspace[:, 4:12].view(torch.int32), bias,
+         "topk_ids and gating_output share memory"),
+        (shared, shared.view(torch.int32), bias, "topk_weights and topk_ids share memory"),
+        (bias_home[:num_tokens, :8], other_ids, bias_home[0],
+         "topk_weights and correction_bias share memory"),
+        (sentinel(1, 8).expand(num_tokens, 8), other_ids, bias,
+         "topk_weights has rows that share memory (row stride 0 < topk 8)"),
+        (other_weights, sentinel(40, dtype=torch.int32).as_strided((num_tokens, 8), (5, 1)),
+         bias, "topk_ids has rows that share memory (row stride 5 < topk 8)"),
+    ]
+    for out_weights, out_ids, case_bias, message in cases:
+        weights_before, ids_before = out_weights.clone(), out_ids.clone()
+        bias_before = case_bias.clone()
+        with pytest.raises(RuntimeError, match=_literal(message)):
+            route_out(gating_output=logits, correction_bias=case_bias, topk_weights=out_weights,
+                      topk_ids=out_ids, **call)
+        assert torch.equal(out_weights, weights_before) and torch.equal(out_ids, ids_before)
+        assert torch.equal(logits, logits_before) and torch.equal(case_bias, bias_before)
+
+
+def test_out_overlap_check_is_exact_on_random_layouts(device):
+    # Logits and both outputs as strided views of one storage, at random offsets and row
+    # strides (often equal, as in a shared workspace): the op refuses exactly the layouts in
+    # which an output shares an element with itself, the other output or the logits.
+    rng = random.Random(7)
+    num_experts, topk = 16, 4
+    strides = [0, 3, 4, 8, 12, 16, 20, 37]
+    refused = accepted = 0
+    for _ in range(400):
+        num_tokens = rng.randint(1, 6)
+        layout = {}
+        for name, width in (("logits", num_experts), ("weights", topk), ("ids", topk)):
+            layout[name] = (rng.randrange(0, 160), rng.choice(strides), width)
+
+        def elements(name):
+            offset, stride, width = layout[name]
+            return {offset + r * stride + c for r in range(num_tokens) for c in range(width)}
+
+        def self_overlap(name):
+            return num_tokens > 1 and layout[name][1] < layout[name][2]
+
+        clash = (self_overlap("weights") or self_overlap("ids")
+                 or bool(elements("weights") & elements("ids"))
+                 or bool(elements("weights") & elements("logits"))
+                 or bool(elements("ids") & elements("logits")))
+        storage = torch.randn(400, device=device)
+        views = {name: storage.as_strided((num_tokens, width), (stride, 1), offset)
+                 for name, (offset, stride, width) in layout.items()}
+        logits = views["logits"]
+        ids = storage.view(torch.int32).as_strided(views["ids"].shape, views["ids"].stride(),
+                                                   views["ids"].storage_offset())
+        expected = moeext.biased_grouped_topk(logits.clone(), None, 1, 1, topk)
+        before = storage.clone()
+        if clash:
+            refused += 1
+            with pytest.raises(RuntimeError, match="share memory"):
+                moeext.biased_grouped_topk_out(logits, None, views["weights"], ids, 1, 1)
+            assert torch.equal(storage, before), layout
+        else:
+            accepted += 1
+            moeext.biased_grouped_topk_out(logits, None, views["weights"], ids, 1, 1)
+            assert torch.equal(ids, expected[1]), layout
+            assert torch.equal(views["weights"], expected[0]), layout
+    assert refused > 50 and accepted > 50
 
 
 def _literal(message):

@@ -130,6 +130,15 @@ def test_tracked_state_shapes_and_negative_state(device):
     (lambda b, s: moeext.zero_tail_tracked_(b, s, -2), "new_extent must be >= 0, got -2"),
     (lambda b, s: moeext.zero_tail_tracked_(b, s.int(), 0), "state must hold one int64"),
     (lambda b, s: moeext.zero_tail_tracked_(b, s.new_zeros(2), 0), "state must hold one int64"),
+    # Rows that share memory (a broadcast row, rows closer than their length): zeroing the
+    # tail would zero rows below new_extent too.
+    (lambda b, s: moeext.zero_tail_(b[:1].expand(8, 6), 2, 8), "buf has rows that share memory"),
+    (lambda b, s: moeext.zero_tail_(b.as_strided((4, 6), (5, 1)), 2, 4),
+     "buf has rows that share memory (stride(0) 5 < 6 elements per row)"),
+    (lambda b, s: moeext.zero_tail_tracked_(b[:1].expand(8, 6), s, 2),
+     "buf has rows that share memory"),
+    (lambda b, s: moeext.zero_tail_tracked_(b[:4], b.view(torch.int64)[2, :1], 1),
+     "state shares memory with buf"),
 ])
 def test_invalid_arguments_write_nothing(device, call, message):
     buf = torch.ones(8, 6, dtype=torch.int32, device=device)
@@ -137,6 +146,16 @@ def test_invalid_arguments_write_nothing(device, call, message):
     with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         call(buf, state)
     assert bool((buf == 1).all()) and int(state) == 8
+
+
+def test_tracked_state_beside_the_buffer_in_one_allocation(device):
+    # Only real overlap is refused: a state stored right after the rows it tracks is fine.
+    storage = torch.ones(8 * 4 + 2, dtype=torch.int32, device=device)
+    buf = storage[:32].view(8, 4)
+    state = storage[32:].view(torch.int64)
+    state.fill_(8)
+    moeext.zero_tail_tracked_(buf, state, 3)
+    assert int(state) == 3 and int(buf[3:].count_nonzero()) == 0 and bool((buf[:3] == 1).all())
 
 
 def test_persistent_buffers(device):

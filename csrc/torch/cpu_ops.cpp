@@ -128,7 +128,7 @@ void zero_tail_tracked_cpu(const at::Tensor& buf, const at::Tensor& state, int64
   // A negative stored extent cannot be rejected on a device without a host sync, so every
   // backend reads it as 0.
   const int64_t prev_extent = std::max<int64_t>(0, *stored);
-  zero_rows_parallel(make_zero_tail_params(buf, new_extent, prev_extent, op));
+  zero_rows_parallel(make_zero_tail_params(buf, new_extent, prev_extent, op, &state));
   *stored = new_extent;
 }
 

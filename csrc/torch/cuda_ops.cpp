@@ -151,7 +151,7 @@ void zero_tail_tracked_cuda(const at::Tensor& buf, const at::Tensor& state, int6
   TORCH_CHECK(new_extent >= 0, op, ": new_extent must be >= 0, got ", new_extent);
   // The previous extent lives on the device; the kernel reads it, so the host describes the
   // largest tail it could be: [new_extent, rows).
-  const ZeroRowsParams p = make_zero_tail_params(buf, new_extent, buf.size(0), op);
+  const ZeroRowsParams p = make_zero_tail_params(buf, new_extent, buf.size(0), op, &state);
   const c10::DeviceGuard guard(buf.device());
   check_launch(zero_rows_tracked_cuda(p, state.data_ptr<int64_t>(), new_extent,
                                       current_stream(buf)),

@@ -3,8 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 
 namespace moeext::torch_glue {
 
@@ -30,6 +32,94 @@ ScoringFunc parse_scoring_func(std::string_view name, const char* op) {
   if (name == "softmax") return ScoringFunc::kSoftmax;
   TORCH_CHECK(false, op, ": scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax', got '",
               name, "'");
+}
+
+// The bytes a view covers, as rows along its dim 0: row r is the range
+// [begin + r * stride, begin + r * stride + width), stride in bytes (torch strides are never
+// negative). A row with strided columns is described by its first to last byte.
+struct RowBytes {
+  uintptr_t begin = 0;
+  int64_t stride = 0;
+  int64_t width = 0;
+  int64_t rows = 0;
+};
+
+// `rows` rows of `cols` elements of `element` bytes, strides in elements.
+RowBytes rows_of(const void* data, int64_t rows, int64_t row_stride, int64_t cols,
+                 int64_t col_stride, int64_t element) {
+  RowBytes r;
+  r.begin = reinterpret_cast<uintptr_t>(data);
+  r.stride = row_stride * element;
+  r.width = rows == 0 || cols == 0 ? 0 : ((cols - 1) * col_stride + 1) * element;
+  r.rows = rows;
+  return r;
+}
+
+int64_t element_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+bool rows_overlap_each_other(const RowBytes& a) {
+  return a.rows > 1 && a.width > 0 && a.stride < a.width;
+}
+
+int64_t floor_div(int64_t x, int64_t d) { return x >= 0 ? x / d : -((-x + d - 1) / d); }
+
+// Exact for the row sets above. Separate buffers end at the first test. Views into one
+// workspace with one row stride s (the usual case) are solved directly: row i of a and row j
+// of b overlap iff d - a.width < (i - j) * s < d + b.width, with d = b.begin - a.begin.
+// Otherwise the rows are walked in address order on both sides, advancing whichever row
+// ends first (a row that ends before the other's starts cannot meet any later one).
+bool rows_overlap(RowBytes a, RowBytes b) {
+  if (a.rows == 0 || b.rows == 0 || a.width == 0 || b.width == 0) return false;
+  if (a.stride == 0) a.rows = 1;
+  if (b.stride == 0) b.rows = 1;
+  const uintptr_t a_end = a.begin + uintptr_t((a.rows - 1) * a.stride + a.width);
+  const uintptr_t b_end = b.begin + uintptr_t((b.rows - 1) * b.stride + b.width);
+  if (a_end <= b.begin || b_end <= a.begin) return false;
+  if (a.stride == b.stride && a.rows > 1 && b.rows > 1) {
+    const int64_t s = a.stride;
+    const int64_t d = int64_t(b.begin - a.begin);
+    const int64_t k_min = std::max(floor_div(d - a.width, s) + 1, 1 - b.rows);
+    const int64_t k_max = std::min(-floor_div(-(d + b.width), s) - 1, a.rows - 1);
+    return k_min <= k_max;
+  }
+  for (int64_t i = 0, j = 0; i < a.rows && j < b.rows;) {
+    const uintptr_t a_lo = a.begin + uintptr_t(i * a.stride), a_hi = a_lo + uintptr_t(a.width);
+    const uintptr_t b_lo = b.begin + uintptr_t(j * b.stride), b_hi = b_lo + uintptr_t(b.width);
+    if (a_lo < b_hi && b_lo < a_hi) return true;
+    if (a_hi <= b_hi) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return false;
+}
+
+// Writes into memory that a read or another write also covers would make the result depend
+// on the order the kernel happens to touch it in: refused, as torch's out= ops refuse it.
+// Read from the filled params, so the common case (separate buffers) costs a few compares.
+void check_grouped_topk_outputs_apart(const BiasedGroupedTopkParams& p, const char* op) {
+  const RowBytes weights =
+      rows_of(p.topk_weights, p.num_tokens, p.weights_row_stride, p.topk, 1, 4);
+  const RowBytes ids = rows_of(p.topk_ids, p.num_tokens, p.ids_row_stride, p.topk, 1, 4);
+  const RowBytes logits = rows_of(p.gating_output, p.num_tokens, p.gating_row_stride,
+                                  p.num_experts, p.gating_col_stride, element_size(p.gating_dtype));
+  // The bias as one row per expert (a broadcast stride 0 is one element).
+  const RowBytes bias = rows_of(p.correction_bias, p.correction_bias ? p.num_experts : 0,
+                                p.bias_stride, 1, 1, element_size(p.bias_dtype));
+  for (const auto& [out, name] : {std::pair{&weights, "topk_weights"}, {&ids, "topk_ids"}}) {
+    TORCH_CHECK(!rows_overlap_each_other(*out), op, ": ", name,
+                " has rows that share memory (row stride ", out->stride / 4, " < topk ", p.topk,
+                "); every row needs its own");
+  }
+  const char* clash = rows_overlap(weights, ids)      ? "topk_weights and topk_ids"
+                      : rows_overlap(weights, logits) ? "topk_weights and gating_output"
+                      : rows_overlap(ids, logits)     ? "topk_ids and gating_output"
+                      : rows_overlap(weights, bias)   ? "topk_weights and correction_bias"
+                      : rows_overlap(ids, bias)       ? "topk_ids and correction_bias"
+                                                      : nullptr;
+  TORCH_CHECK(clash == nullptr, op, ": ", clash,
+              " share memory; the outputs must not overlap the inputs or each other");
 }
 
 void check_output(const at::Tensor& out, const at::Tensor& gating_output, at::ScalarType dtype,
@@ -96,9 +186,12 @@ BiasedGroupedTopkParams make_grouped_topk_params(
       gating_output, correction_bias, num_expert_group, topk_group, topk, scoring_func, op);
   check_output(topk_weights, gating_output, at::kFloat, topk, op, "topk_weights");
   check_output(topk_ids, gating_output, at::kInt, topk, op, "topk_ids");
-  return fill_grouped_topk_params(gating_output, correction_bias, topk_weights, topk_ids,
-                                  num_expert_group, topk_group, renormalize,
-                                  routed_scaling_factor, scoring);
+  const BiasedGroupedTopkParams p =
+      fill_grouped_topk_params(gating_output, correction_bias, topk_weights, topk_ids,
+                               num_expert_group, topk_group, renormalize,
+                               routed_scaling_factor, scoring);
+  check_grouped_topk_outputs_apart(p, op);
+  return p;
 }
 
 BiasedGroupedTopkParams fill_grouped_topk_params(
@@ -203,7 +296,8 @@ RouterGemmParams make_router_gemm_params(const at::Tensor& hidden_states,
 }
 
 ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
-                                     int64_t prev_extent, const char* op) {
+                                     int64_t prev_extent, const char* op,
+                                     const at::Tensor* state) {
   TORCH_CHECK(new_extent >= 0, op, ": new_extent must be >= 0, got ", new_extent);
   TORCH_CHECK(prev_extent >= 0, op, ": prev_extent must be >= 0, got ", prev_extent);
   TORCH_CHECK(buf.dim() >= 1, op, ": buf must have at least one dimension, got a 0-d tensor");
@@ -215,10 +309,20 @@ ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
                 buf.sizes(), " and strides ", buf.strides());
     expected *= buf.size(d);
   }
-  ZeroRowsParams p;
   const int64_t rows = buf.size(0);
+  const int64_t row_bytes = expected * int64_t(buf.element_size());
+  const RowBytes buf_rows = rows_of(buf.data_ptr(), rows, buf.stride(0) * buf.element_size(),
+                                    row_bytes, 1, 1);
+  TORCH_CHECK(!rows_overlap_each_other(buf_rows), op,
+              ": buf has rows that share memory (stride(0) ", buf.stride(0), " < ", expected,
+              " elements per row); zeroing one row would zero others");
+  if (state != nullptr) {
+    TORCH_CHECK(!rows_overlap(buf_rows, rows_of(state->data_ptr(), 1, 1, 1, 1, 8)), op,
+                ": state shares memory with buf");
+  }
+  ZeroRowsParams p;
   p.data = buf.data_ptr();
-  p.row_bytes = expected * int64_t(buf.element_size());
+  p.row_bytes = row_bytes;
   p.row_stride = buf.stride(0) * int64_t(buf.element_size());
   p.row_begin = std::min(new_extent, rows);
   p.row_end = std::min(prev_extent, rows);

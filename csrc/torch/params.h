@@ -50,10 +50,12 @@ at::ScalarType check_router_gemm_inputs(const at::Tensor& hidden_states, const a
 RouterGemmParams make_router_gemm_params(const at::Tensor& hidden_states,
                                          const at::Tensor& weight, const at::Tensor& logits);
 
-// Checks buf (rows along dim 0 must each be one contiguous byte range) and the extents,
-// and describes rows [new_extent, min(prev_extent, buf.size(0))) for zeroing.
+// Checks buf (rows along dim 0 must each be one contiguous byte range, no two sharing
+// memory), the extents and, for the tracked form, that state lies outside buf; describes
+// rows [new_extent, min(prev_extent, buf.size(0))) for zeroing.
 ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
-                                     int64_t prev_extent, const char* op);
+                                     int64_t prev_extent, const char* op,
+                                     const at::Tensor* state = nullptr);
 
 // Checks the state tensor of the tracked form: one int64 element on buf's device.
 void check_zero_tail_state(const at::Tensor& buf, const at::Tensor& state, const char* op);

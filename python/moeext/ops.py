@@ -134,8 +134,9 @@ def biased_grouped_topk_out(
     ``topk`` is ``topk_ids.size(1)``. ``topk_weights`` (float32) and ``topk_ids`` (int32)
     are ``[num_tokens, topk]`` with contiguous columns and any row stride, e.g. the first
     ``topk`` columns of a wider persistent buffer whose other columns hold shared experts:
-    nothing outside the ``[num_tokens, topk]`` views is written. On invalid arguments
-    nothing is written at all. Records no gradient: in grad mode, a ``gating_output`` or
+    nothing outside the ``[num_tokens, topk]`` views is written. The outputs must not share
+    memory with the logits, the bias, each other or themselves (views side by side in one
+    workspace are fine). On invalid arguments nothing is written at all. Records no gradient: in grad mode, a ``gating_output`` or
     ``topk_weights`` that requires grad raises RuntimeError before anything is written, as
     torch's ``out=`` ops raise (use :func:`biased_grouped_topk`, or ``torch.no_grad()``).
     Bumps the autograd version of both outputs, as torch's ``out=`` ops do, so a backward
@@ -277,7 +278,7 @@ def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
 
     Args:
         buf: any dtype (1-byte and packed types included), at least 1-D, rows (dims 1..)
-            contiguous, any stride along dim 0.
+            contiguous, any stride along dim 0 that keeps rows apart (no broadcast rows).
         new_extent, prev_extent: row counts, >= 0 (a negative one raises RuntimeError).
 
     Autograd as for ``fill_``/``zero_``: it bumps ``buf``'s version, so a backward through a
@@ -292,8 +293,9 @@ def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
 def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) -> None:
     """:func:`zero_tail_` with the previous extent kept in a tensor instead of a Python int.
 
-    Reads the previous extent from ``state`` (one int64 on ``buf``'s device), zeroes rows
-    ``[new_extent, previous)`` of ``buf`` and stores ``new_extent`` into ``state``. Because
+    Reads the previous extent from ``state`` (one int64 on ``buf``'s device, outside
+    ``buf``'s memory), zeroes rows ``[new_extent, previous)`` of ``buf`` and stores
+    ``new_extent`` into ``state``. Because
     the previous extent is read from memory when the op runs, a captured CUDA graph replays
     correctly whatever batch ran before it. Start ``state`` at 0 with a zeroed buffer. A
     negative value found in ``state`` is read as 0 (a device cannot reject it without a
