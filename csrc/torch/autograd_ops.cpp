@@ -34,7 +34,6 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -55,8 +54,8 @@ using BiasedGroupedTopkOutSignature = void(const at::Tensor&, const std::optiona
 
 using RouterGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
                                        std::optional<c10::ScalarType>);
-using ZeroTailSignature = void(const at::Tensor&, int64_t, int64_t);
-using ZeroTailTrackedSignature = void(const at::Tensor&, const at::Tensor&, int64_t);
+using ZeroTailSignature = void(const at::Tensor&, c10::SymInt, c10::SymInt);
+using ZeroTailTrackedSignature = void(const at::Tensor&, const at::Tensor&, c10::SymInt);
 
 const c10::TypedOperatorHandle<BiasedGroupedTopkSignature>& biased_grouped_topk_handle() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -267,20 +266,20 @@ void check_writable_with_grad(const at::Tensor& t, const char* op, const char* n
 }
 
 // The gradient of buf after zeroing is the gradient before it, with the zeroed rows cleared.
-at::Tensor clear_zeroed_rows(const at::Tensor& grad, int64_t begin, int64_t end) {
-  const int64_t rows = grad.size(0);
-  begin = std::min(begin, rows);
-  end = std::min(end, rows);
+// Symbolic under torch.compile: no comparison here may become a guard on the extents.
+at::Tensor clear_zeroed_rows(const at::Tensor& grad, const c10::SymInt& new_extent,
+                             const c10::SymInt& prev_extent) {
+  const c10::SymInt rows = grad.sym_size(0);
+  const c10::SymInt begin = new_extent.min(rows);
+  const c10::SymInt length = (prev_extent.min(rows) - begin).max(0);
   at::Tensor out = grad.clone();
-  if (end > begin) {
-    out.narrow(0, begin, end - begin).zero_();
-  }
+  out.narrow_symint(0, begin, length).zero_();
   return out;
 }
 
 struct ZeroTailFunction : public torch::autograd::Function<ZeroTailFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& buf, int64_t new_extent,
-                               int64_t prev_extent) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& buf,
+                               const c10::SymInt& new_extent, const c10::SymInt& prev_extent) {
     zero_tail_handle().call(buf, new_extent, prev_extent);
     ctx->mark_dirty({buf});
     ctx->saved_data["new_extent"] = new_extent;
@@ -293,14 +292,14 @@ struct ZeroTailFunction : public torch::autograd::Function<ZeroTailFunction> {
     if (!grad.defined()) {
       return {at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    return {clear_zeroed_rows(grad, ctx->saved_data["new_extent"].toInt(),
-                              ctx->saved_data["prev_extent"].toInt()),
+    return {clear_zeroed_rows(grad, ctx->saved_data["new_extent"].toSymInt(),
+                              ctx->saved_data["prev_extent"].toSymInt()),
             at::Tensor(), at::Tensor()};
   }
 };
 
-void zero_tail_autograd(c10::DispatchKeySet keys, const at::Tensor& buf, int64_t new_extent,
-                        int64_t prev_extent) {
+void zero_tail_autograd(c10::DispatchKeySet keys, const at::Tensor& buf, c10::SymInt new_extent,
+                        c10::SymInt prev_extent) {
   if (!at::GradMode::is_enabled() || !buf.requires_grad()) {
     zero_tail_handle().redispatch(keys & c10::after_autograd_keyset, buf, new_extent,
                                   prev_extent);
@@ -311,7 +310,7 @@ void zero_tail_autograd(c10::DispatchKeySet keys, const at::Tensor& buf, int64_t
 }
 
 void zero_tail_tracked_autograd(c10::DispatchKeySet keys, const at::Tensor& buf,
-                                const at::Tensor& state, int64_t new_extent) {
+                                const at::Tensor& state, c10::SymInt new_extent) {
   if (!at::GradMode::is_enabled() || !buf.requires_grad()) {
     zero_tail_tracked_handle().redispatch(keys & c10::after_autograd_keyset, buf, state,
                                           new_extent);
@@ -377,7 +376,7 @@ void biased_grouped_topk_out_inplace_or_view(
 
 // Unboxed, as the Autograd kernels above redispatch.
 void zero_tail_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& buf,
-                               int64_t new_extent, int64_t prev_extent) {
+                               c10::SymInt new_extent, c10::SymInt prev_extent) {
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     zero_tail_handle().redispatch(keys & c10::after_ADInplaceOrView_keyset, buf, new_extent,
@@ -387,7 +386,7 @@ void zero_tail_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& buf,
 }
 
 void zero_tail_tracked_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& buf,
-                                       const at::Tensor& state, int64_t new_extent) {
+                                       const at::Tensor& state, c10::SymInt new_extent) {
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     zero_tail_tracked_handle().redispatch(keys & c10::after_ADInplaceOrView_keyset, buf, state,

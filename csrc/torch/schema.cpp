@@ -16,8 +16,10 @@ TORCH_LIBRARY(moeext, m) {
       "-> ()");
   m.def(
       "router_gemm(Tensor hidden_states, Tensor weight, ScalarType? out_dtype=None) -> Tensor");
-  m.def("zero_tail_(Tensor(a!) buf, int new_extent, int prev_extent) -> ()");
-  m.def("zero_tail_tracked_(Tensor(a!) buf, Tensor(b!) state, int new_extent) -> ()");
+  // SymInt: an extent is usually a batch size, which torch.compile keeps symbolic; an int
+  // argument would specialise the graph to each one and recompile per batch size.
+  m.def("zero_tail_(Tensor(a!) buf, SymInt new_extent, SymInt prev_extent) -> ()");
+  m.def("zero_tail_tracked_(Tensor(a!) buf, Tensor(b!) state, SymInt new_extent) -> ()");
   m.def("shuffle_weight(Tensor w, int[2] layout=[16, 16], bool gate_up=False) -> Tensor");
   m.def("unshuffle_weight(Tensor w, int[2] layout=[16, 16], bool gate_up=False) -> Tensor");
   m.def("e8m0_shuffle(Tensor scale, bool gate_up=False, int? num_experts=None) -> Tensor");
