@@ -197,9 +197,11 @@ def test_opcheck_shuffles(device):
     for gate_up in (False, True):
         torch.library.opcheck(torch.ops.moeext.shuffle_weight.default, (w, [16, 16], gate_up))
         torch.library.opcheck(torch.ops.moeext.unshuffle_weight.default, (w, [16, 16], gate_up))
-    torch.library.opcheck(torch.ops.moeext.shuffle_weight.default,
-                          (torch.randn(2, 32, 64, generator=g).bfloat16().to(device), [16, 16],
-                           False))
+    bf16 = torch.randn(2, 32, 64, generator=g).bfloat16().to(device)
+    torch.library.opcheck(torch.ops.moeext.shuffle_weight.default, (bf16, [16, 16], False))
+    # With a gradient (the inverse move), compiled against eager.
+    for op in (torch.ops.moeext.shuffle_weight, torch.ops.moeext.unshuffle_weight):
+        torch.library.opcheck(op.default, (bf16.clone().requires_grad_(), [16, 16], True))
     s = torch.randint(0, 256, (64, 12), dtype=torch.uint8, generator=g).to(device)
     torch.library.opcheck(torch.ops.moeext.e8m0_shuffle.default, (s, True, 2))
     shuffled = moeext.e8m0_shuffle(s)

@@ -1,6 +1,7 @@
 """shuffle_weight / unshuffle_weight / e8m0_shuffle / e8m0_unshuffle (SPEC.md section 3)."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -230,3 +231,38 @@ def test_quantized_weights_survive_the_round_trip(device, gate_up):
     restored_scales = to_cpu(restored_scales).reshape(experts, rows, k // 32)
     torch.testing.assert_close(mxfp4.dequantize(to_cpu(restored), restored_scales),
                                mxfp4.dequantize(packed, scales), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+@pytest.mark.parametrize("inverse", [False, True], ids=["shuffle", "unshuffle"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_weight_shuffles_pass_the_gradient_back_through_the_same_move(device, dtype, inverse,
+                                                                      gate_up):
+    # The element each output position reads, from a shuffle of indices stored in the same
+    # 2-byte dtype's bits; the gradient must land exactly there.
+    op = moeext.unshuffle_weight if inverse else moeext.shuffle_weight
+    shape = (2, 64, 96)
+    index = torch.arange(math.prod(shape), dtype=torch.int16, device=device).view(shape)
+    source = op(index.view(dtype), (16, 16), gate_up).view(torch.int16).long().flatten()
+    w = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    out = op(w, (16, 16), gate_up)
+    assert torch.equal(out.detach().flatten(), w.detach().flatten()[source])
+    grad_out = torch.randn(shape, device=device).to(dtype)
+    (out * grad_out).sum().backward()
+    expected = torch.zeros(math.prod(shape), dtype=dtype, device=device)
+    expected[source] = grad_out.flatten()
+    assert torch.equal(w.grad.flatten(), expected)
+    with torch.no_grad():
+        assert not op(w, (16, 16), gate_up).requires_grad
+
+
+def test_scale_codes_carry_no_gradient(device, recwarn):
+    # E8M0 codes are exponents: like integers, their shuffles are not differentiable, and
+    # (unlike autograd's fallback, which warned at the backward) say so by not requiring grad.
+    scale = torch.randint(0, 255, (64, 8), dtype=torch.uint8, device=device)
+    codes = scale.view(torch.float8_e8m0fnu).clone().requires_grad_()
+    shuffled = moeext.e8m0_shuffle(codes)
+    assert not shuffled.requires_grad and shuffled.grad_fn is None
+    back = moeext.e8m0_unshuffle(shuffled.clone().requires_grad_(), 64, 8)
+    assert not back.requires_grad and torch.equal(back.view(torch.uint8), scale)
+    assert not [w for w in recwarn if "autograd" in str(w.message)]

@@ -13,6 +13,10 @@
 // only when the backward ran, so a gate trained through moeext.nn.GroupedTopKRouter silently
 // kept its weight. Now both get the GEMM's gradient.
 //
+// Autograd, shuffles. A weight shuffle moves elements, so its gradient is the inverse move;
+// E8M0 scale codes are exponents and, like integers, carry none (see their kernels). Both
+// replace the fallback, which made the outputs require grad and then warned and gave nothing.
+//
 // Autograd, zeroing ops. Without a kernel they took the boxed fallback, which wrote the zeros
 // into a tensor of the graph and left its history alone: a backward through the zeroed rows
 // passed the gradient on as if nothing had been written (torch's zero_ gives those rows a zero
@@ -37,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace moeext::torch_glue {
 namespace {
@@ -54,6 +59,10 @@ using BiasedGroupedTopkOutSignature = void(const at::Tensor&, const std::optiona
 
 using RouterGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
                                        std::optional<c10::ScalarType>);
+using ShuffleWeightSignature = at::Tensor(const at::Tensor&, at::IntArrayRef, bool);
+using E8m0ShuffleSignature = at::Tensor(const at::Tensor&, bool, std::optional<int64_t>);
+using E8m0UnshuffleSignature = at::Tensor(const at::Tensor&, int64_t, int64_t, bool,
+                                          std::optional<int64_t>);
 using ZeroTailSignature = void(const at::Tensor&, c10::SymInt, c10::SymInt);
 using ZeroTailTrackedSignature = void(const at::Tensor&, const at::Tensor&, c10::SymInt);
 
@@ -76,6 +85,31 @@ const c10::TypedOperatorHandle<RouterGemmSignature>& router_gemm_handle() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("moeext::router_gemm", "")
                                  .typed<RouterGemmSignature>();
+  return handle;
+}
+
+// shuffle_weight, or unshuffle_weight when `inverse`.
+const c10::TypedOperatorHandle<ShuffleWeightSignature>& shuffle_weight_handle(bool inverse) {
+  static const auto shuffle = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("moeext::shuffle_weight", "")
+                                  .typed<ShuffleWeightSignature>();
+  static const auto unshuffle = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("moeext::unshuffle_weight", "")
+                                    .typed<ShuffleWeightSignature>();
+  return inverse ? unshuffle : shuffle;
+}
+
+const c10::TypedOperatorHandle<E8m0ShuffleSignature>& e8m0_shuffle_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moeext::e8m0_shuffle", "")
+                                 .typed<E8m0ShuffleSignature>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<E8m0UnshuffleSignature>& e8m0_unshuffle_handle() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moeext::e8m0_unshuffle", "")
+                                 .typed<E8m0UnshuffleSignature>();
   return handle;
 }
 
@@ -242,6 +276,56 @@ at::Tensor router_gemm_autograd(c10::DispatchKeySet keys, const at::Tensor& hidd
   return RouterGemmFunction::apply(hidden_states, weight, out_dtype)[0];
 }
 
+// A shuffle moves elements and nothing else, so its gradient is the inverse move of the
+// incoming one: unshuffle_weight for shuffle_weight and the other way round.
+struct ShuffleWeightFunction : public torch::autograd::Function<ShuffleWeightFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& w,
+                               const std::vector<int64_t>& layout, bool gate_up, bool inverse) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->saved_data["layout"] = layout;
+    ctx->saved_data["gate_up"] = gate_up;
+    ctx->saved_data["inverse"] = inverse;
+    return {shuffle_weight_handle(inverse).call(w, layout, gate_up)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& grad = grad_outputs[0];
+    at::Tensor grad_w;
+    if (grad.defined()) {
+      const std::vector<int64_t> layout = ctx->saved_data["layout"].toIntVector();
+      grad_w = shuffle_weight_handle(!ctx->saved_data["inverse"].toBool())
+                   .call(grad, layout, ctx->saved_data["gate_up"].toBool());
+    }
+    return {grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+template <bool kInverse>
+at::Tensor shuffle_weight_autograd(c10::DispatchKeySet keys, const at::Tensor& w,
+                                   at::IntArrayRef layout, bool gate_up) {
+  if (!at::GradMode::is_enabled() || !w.requires_grad()) {
+    return shuffle_weight_handle(kInverse).redispatch(keys & c10::after_autograd_keyset, w,
+                                                      layout, gate_up);
+  }
+  return ShuffleWeightFunction::apply(w, layout.vec(), gate_up, kInverse)[0];
+}
+
+// E8M0 scales are exponent codes: like integer outputs, the shuffled codes carry no gradient,
+// whatever the input's requires_grad (the fallback made them require grad, then warned and
+// gave none when a backward reached them).
+at::Tensor e8m0_shuffle_autograd(c10::DispatchKeySet keys, const at::Tensor& scale,
+                                 bool gate_up, std::optional<int64_t> num_experts) {
+  return e8m0_shuffle_handle().redispatch(keys & c10::after_autograd_keyset, scale, gate_up,
+                                          num_experts);
+}
+
+at::Tensor e8m0_unshuffle_autograd(c10::DispatchKeySet keys, const at::Tensor& shuffled,
+                                   int64_t m, int64_t n, bool gate_up,
+                                   std::optional<int64_t> num_experts) {
+  return e8m0_unshuffle_handle().redispatch(keys & c10::after_autograd_keyset, shuffled, m, n,
+                                            gate_up, num_experts);
+}
+
 // torch's own in-place ops make this check before writing (check_inplace); here the messages
 // name the op and the argument. Views that autograd cannot rewrite (made under no_grad, or by
 // a multi-output op such as unbind) get torch's own explanation.
@@ -402,6 +486,10 @@ TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
   m.impl("biased_grouped_topk", &biased_grouped_topk_autograd);
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_autograd);
   m.impl("router_gemm", &router_gemm_autograd);
+  m.impl("shuffle_weight", &shuffle_weight_autograd</*kInverse=*/false>);
+  m.impl("unshuffle_weight", &shuffle_weight_autograd</*kInverse=*/true>);
+  m.impl("e8m0_shuffle", &e8m0_shuffle_autograd);
+  m.impl("e8m0_unshuffle", &e8m0_unshuffle_autograd);
   m.impl("zero_tail_", &zero_tail_autograd);
   m.impl("zero_tail_tracked_", &zero_tail_tracked_autograd);
 }

@@ -329,7 +329,8 @@ def shuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
             ``shuffle_weight_a16w4(w, 16, gate_up=True)`` does. Needs ``2N % 32 == 0``.
 
     Returns:
-        A new contiguous tensor of ``w``'s shape and dtype.
+        A new contiguous tensor of ``w``'s shape and dtype. Where ``w`` requires grad (in
+        grad mode) it is differentiable: the gradient goes back through the inverse move.
     """
     return torch.ops.moeext.shuffle_weight(w, list(layout), gate_up)
 
@@ -353,7 +354,8 @@ def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False,
 
     ``gate_up=True`` first interleaves gate and up rows in 16-row blocks inside each expert's
     rows, as AITER's ``shuffle_scale_a16w4(s, num_experts, gate_up=True)``; it needs
-    ``num_experts`` and ``m / num_experts`` a multiple of 32.
+    ``num_experts`` and ``m / num_experts`` a multiple of 32. E8M0 codes are exponents:
+    like integers, the result carries no gradient (it never requires grad).
     """
     return torch.ops.moeext.e8m0_shuffle(scale, gate_up, num_experts)
 
