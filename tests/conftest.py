@@ -21,6 +21,8 @@ profile runs 20,000, for a long search on demand:
 """
 
 import contextlib
+import os
+import tempfile
 
 import pytest
 import torch
@@ -32,6 +34,22 @@ settings.register_profile("moeext", max_examples=300, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("fuzz", settings.get_profile("moeext"), max_examples=20_000)
 settings.load_profile("moeext")
+
+
+def _compile_cache_per_build():
+    """torch.compile's on-disk caches key a graph by its code and torch's configuration, not by
+    moeext's library: after a rebuild, a compile test could be served a graph (backward
+    included) traced through the previous build's kernels, and pass or fail for it. So each
+    build of moeext._C gets its own cache directory, unless one is set explicitly."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    library = os.stat(moeext._C.__file__)
+    build = f"{library.st_size:x}-{library.st_mtime_ns:x}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                         f"torchinductor-moeext-{build}")
+
+
+_compile_cache_per_build()
 
 
 def _devices():
