@@ -427,3 +427,50 @@ def test_prepacked_weight_refuses_a_gradient():
             moeext.router_gemm(h, w)
         with torch.no_grad():
             assert torch.equal(moeext.router_gemm(h, w), expected)
+
+
+# The wrapper's direct call of the op (moeext._C.call_router_gemm), as the routing op's.
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+def test_direct_call_is_the_op(device, num_tokens, out_dtype):
+    hidden, weight = make_inputs(num_tokens, 96, 13, device=device)
+    direct = moeext._C.call_router_gemm(hidden, torch.nn.Parameter(weight, requires_grad=False),
+                                        out_dtype)
+    assert isinstance(direct, torch.Tensor)  # taken, not declined
+    expected = torch.ops.moeext.router_gemm(hidden, weight, out_dtype)
+    assert direct.dtype == expected.dtype and torch.equal(direct, expected)
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("change", [
+    lambda a: (a[0].as_subclass(_Tagged),) + a[1:],
+    lambda a: a[:2] + ("float32",),
+    lambda a: a[:2],
+    lambda a: (a[0].tolist(),) + a[1:],
+], ids=["tensor subclass", "str for dtype", "too few", "list for tensor"])
+def test_direct_call_declines_what_torch_ops_decides(change):
+    hidden, weight = make_inputs(3, 64, 9)
+    args = change((hidden, weight, None))
+    assert moeext._C.call_router_gemm(*args) is NotImplemented
+    try:
+        expected = torch.ops.moeext.router_gemm(*args)
+    except (RuntimeError, TypeError) as error:
+        with pytest.raises(type(error)) as raised:
+            moeext.router_gemm(*args)
+        assert str(raised.value) == str(error)
+    else:
+        assert torch.equal(moeext.router_gemm(*args), expected)
+
+
+def test_direct_call_errors_are_the_ops():
+    hidden, weight = make_inputs(3, 64, 9)
+    for args in [(hidden, weight[:, :32], None), (hidden, weight, torch.float16)]:
+        with pytest.raises(RuntimeError) as expected:
+            torch.ops.moeext.router_gemm(*args)
+        with pytest.raises(RuntimeError) as got:
+            moeext._C.call_router_gemm(*args)
+        assert str(got.value) == str(expected.value)

@@ -257,3 +257,42 @@ def test_tracked_form_refuses_a_buffer_that_requires_grad(device):
     with torch.no_grad():
         moeext.zero_tail_tracked_(x, state, 2)
     assert int(x[2:].count_nonzero()) == 0 and int(state) == 2
+
+
+# The wrappers' direct calls of the ops (moeext._C.call_zero_tail[_tracked]), as the routing
+# op's: taken for plain arguments, declined (NotImplemented) for anything torch.ops decides.
+
+def test_direct_calls_are_the_ops(device):
+    for rows, new_extent, prev_extent in [(37, 5, 30), (37, 30, 5), (1 << 15, 3, 1 << 15)]:
+        buf = torch.ones(rows, 4, dtype=torch.int32, device=device)  # the last one: 512 KiB
+        assert moeext._C.call_zero_tail(buf, new_extent, prev_extent) is None
+        expected = torch.ones(rows, 4, dtype=torch.int32)
+        moeext.reference.zero_tail_(expected, new_extent, prev_extent)
+        assert torch.equal(buf.cpu(), expected)
+        state = torch.tensor([prev_extent], dtype=torch.int64, device=device)
+        buf.fill_(1)
+        assert moeext._C.call_zero_tail_tracked(buf, state, new_extent) is None
+        assert torch.equal(buf.cpu(), expected) and int(state) == new_extent
+    with pytest.raises(RuntimeError, match="new_extent must be >= 0, got -1"):
+        moeext._C.call_zero_tail(buf, -1, 3)
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+def test_direct_calls_decline_what_torch_ops_decides():
+    import numpy
+
+    buf = torch.ones(8, 2)
+    state = torch.tensor([8])
+    for args in [(buf.as_subclass(_Tagged), 2, 8), (buf, numpy.int64(2), 8), (buf, 2.0, 8),
+                 (buf, True, 8), (buf, 2)]:
+        assert moeext._C.call_zero_tail(*args) is NotImplemented
+    for args in [(buf.as_subclass(_Tagged), state, 2), (buf, [8], 2), (buf, state, 2.5)]:
+        assert moeext._C.call_zero_tail_tracked(*args) is NotImplemented
+    # The wrapper then goes through torch.ops, which converts or explains.
+    moeext.zero_tail_(buf, numpy.int64(2), 8)
+    assert int(buf[2:].count_nonzero()) == 0 and int(buf[:2].count_nonzero()) == 4
+    with pytest.raises(RuntimeError):
+        moeext.zero_tail_tracked_(buf, [8], 2)

@@ -1,10 +1,12 @@
-// Direct calls of the routing ops from the Python wrappers (moeext.biased_grouped_topk and
-// its _out form). torch.ops converts each argument through the schema's generic IValue path:
-// on the 2-core VM of 2026-11-25 that is 0.1 us per int argument and 2.1 us for a whole call
-// with no rows, against 0.8 us here, so at decode batch sizes it was most of the op's time.
+// Direct calls of the per-step ops from the Python wrappers (moeext.biased_grouped_topk and
+// its _out form, router_gemm, zero_tail_ and zero_tail_tracked_). torch.ops converts each
+// argument through the schema's generic IValue path: on the 2-core VM of 2026-11-25 that is
+// 0.1 us per int argument and 2.1 us for a routing call with no rows, against 0.8 us here, so
+// at decode batch sizes it was most of the op's time.
 //
 // These functions take the plain Python types only (exactly torch.Tensor or Parameter, int,
-// bool, float, str) and call the registered op through the dispatcher, so every dispatch key
+// bool, float, str, torch.dtype or None where the schema has ScalarType?) and call the
+// registered op through the dispatcher, so every dispatch key
 // (CPU, CUDA, Meta, Autograd, dispatch modes) behaves as it does through
 // torch.ops. The GIL is released around long calls, and errors reach Python as torch.ops
 // raises them. For anything else (a tensor subclass such as a fake tensor, a torch-function
@@ -14,9 +16,11 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -81,6 +85,16 @@ bool parse_str(PyObject* obj, std::string_view& out) {
   return true;
 }
 
+bool parse_optional_dtype(PyObject* obj, std::optional<at::ScalarType>& out) {
+  if (obj == Py_None) {
+    out.reset();
+    return true;
+  }
+  if (!THPDtype_Check(obj)) return false;
+  out = reinterpret_cast<THPDtype*>(obj)->scalar_type;
+  return true;
+}
+
 // A torch-function mode would see the op through torch.ops; here it would not.
 bool torch_function_mode_active() { return at::impl::torch_function_mode_enabled(); }
 
@@ -91,7 +105,8 @@ PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 class ReleaseGilIfLong {
  public:
   explicit ReleaseGilIfLong(const at::Tensor& gating_output)
-      : state_(gating_output.numel() >= 16384 ? PyEval_SaveThread() : nullptr) {}
+      : ReleaseGilIfLong(gating_output.numel() >= 16384) {}
+  explicit ReleaseGilIfLong(bool is_long) : state_(is_long ? PyEval_SaveThread() : nullptr) {}
   ~ReleaseGilIfLong() {
     if (state_ != nullptr) PyEval_RestoreThread(state_);
   }
@@ -181,6 +196,80 @@ PyObject* call_biased_grouped_topk_out(PyObject* /*self*/, PyObject* const* args
   END_HANDLE_TH_ERRORS
 }
 
+// (hidden_states, weight, out_dtype) -> logits or NotImplemented
+PyObject* call_router_gemm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<at::ScalarType>);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("moeext::router_gemm", "").typed<Sig>();
+  at::Tensor hidden_states, weight;
+  std::optional<at::ScalarType> out_dtype;
+  if (nargs != 3 || torch_function_mode_active() || !parse_tensor(args[0], hidden_states) ||
+      !parse_tensor(args[1], weight) || !parse_optional_dtype(args[2], out_dtype)) {
+    return not_implemented();
+  }
+  at::Tensor logits;
+  {
+    // 64k multiply-adds take about a microsecond even on the vector paths.
+    const int64_t tokens = hidden_states.dim() > 0 ? hidden_states.size(0) : 0;
+    ReleaseGilIfLong no_gil(tokens * weight.numel() >= (int64_t(1) << 16));
+    logits = op.call(hidden_states, weight, out_dtype);
+  }
+  return THPVariable_Wrap(logits);
+  END_HANDLE_TH_ERRORS
+}
+
+// Whether zeroing rows [new_extent, prev_extent) of buf writes enough to release the GIL for
+// (64 KiB: a few microseconds).
+bool zeroes_much(const at::Tensor& buf, int64_t new_extent, int64_t prev_extent) {
+  if (buf.dim() == 0 || buf.size(0) == 0) return false;
+  const int64_t rows = buf.size(0);
+  const int64_t zeroed = std::min(prev_extent, rows) - std::min(new_extent, rows);
+  return zeroed > 0 && zeroed * (buf.numel() / rows) * int64_t(buf.element_size()) >= 65536;
+}
+
+// (buf, new_extent, prev_extent) -> None or NotImplemented
+PyObject* call_zero_tail(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  using Sig = void(const at::Tensor&, c10::SymInt, c10::SymInt);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("moeext::zero_tail_", "").typed<Sig>();
+  at::Tensor buf;
+  int64_t new_extent = 0, prev_extent = 0;
+  if (nargs != 3 || torch_function_mode_active() || !parse_tensor(args[0], buf) ||
+      !parse_int(args[1], new_extent) || !parse_int(args[2], prev_extent)) {
+    return not_implemented();
+  }
+  {
+    ReleaseGilIfLong no_gil(zeroes_much(buf, new_extent, prev_extent));
+    op.call(buf, c10::SymInt(new_extent), c10::SymInt(prev_extent));
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// (buf, state, new_extent) -> None or NotImplemented. The previous extent is on the device,
+// so any buf that could hold a long tail releases the GIL.
+PyObject* call_zero_tail_tracked(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  using Sig = void(const at::Tensor&, const at::Tensor&, c10::SymInt);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moeext::zero_tail_tracked_", "")
+                             .typed<Sig>();
+  at::Tensor buf, state;
+  int64_t new_extent = 0;
+  if (nargs != 3 || torch_function_mode_active() || !parse_tensor(args[0], buf) ||
+      !parse_tensor(args[1], state) || !parse_int(args[2], new_extent)) {
+    return not_implemented();
+  }
+  {
+    ReleaseGilIfLong no_gil(zeroes_much(buf, new_extent, buf.dim() > 0 ? buf.size(0) : 0));
+    op.call(buf, state, c10::SymInt(new_extent));
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
     {"call_biased_grouped_topk", reinterpret_cast<PyCFunction>(
                                      reinterpret_cast<void (*)()>(&call_biased_grouped_topk)),
@@ -192,6 +281,20 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL,
      "moeext.biased_grouped_topk_out's direct call of the op: all nine arguments "
      "positionally, of the plain Python types; returns NotImplemented for anything else."},
+    {"call_router_gemm",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_router_gemm)),
+     METH_FASTCALL,
+     "moeext.router_gemm's direct call of the op: all three arguments positionally, of the "
+     "plain Python types; returns NotImplemented for anything else."},
+    {"call_zero_tail", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_zero_tail)),
+     METH_FASTCALL,
+     "moeext.zero_tail_'s direct call of the op: all three arguments positionally, of the "
+     "plain Python types; returns NotImplemented for anything else."},
+    {"call_zero_tail_tracked",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_zero_tail_tracked)),
+     METH_FASTCALL,
+     "moeext.zero_tail_tracked_'s direct call of the op: all three arguments positionally, of "
+     "the plain Python types; returns NotImplemented for anything else."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -2,9 +2,10 @@
 
 The wrappers add nothing but names, defaults and documentation: each is one call into the
 registered op, so they trace under ``torch.compile(fullgraph=True)`` exactly like the op.
-The routing wrappers, called at every decode step, reach their op through a direct call in
-``moeext._C`` where the arguments are of the plain Python types (about half the time of
-``torch.ops``' generic argument conversion); the op, its dispatch and its errors are the same.
+The wrappers called at every decode step (routing, router GEMM, tail zeroing) reach their op
+through a direct call in ``moeext._C`` where the arguments are of the plain Python types
+(about half the time of ``torch.ops``' generic argument conversion); the op, its dispatch
+and its errors are the same.
 """
 
 from typing import Optional, Tuple
@@ -20,6 +21,9 @@ _is_scripting = torch.jit.is_scripting
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _call_biased_grouped_topk = _C.call_biased_grouped_topk
 _call_biased_grouped_topk_out = _C.call_biased_grouped_topk_out
+_call_router_gemm = _C.call_router_gemm
+_call_zero_tail = _C.call_zero_tail
+_call_zero_tail_tracked = _C.call_zero_tail_tracked
 
 __all__ = [
     "biased_grouped_topk",
@@ -207,6 +211,10 @@ def router_gemm(
         ``out_dtype`` outside the contract (a prepacked weight on a GPU included), or for a
         prepacked weight where a gradient is wanted.
     """
+    if not _is_scripting() and not _is_dynamo_compiling():
+        out = _call_router_gemm(hidden_states, weight, out_dtype)
+        if out is not NotImplemented:
+            return out
     return torch.ops.moeext.router_gemm(hidden_states, weight, out_dtype)
 
 
@@ -287,6 +295,9 @@ def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
     rows pass no gradient back, and a leaf that requires grad (or a view of one) raises
     RuntimeError before anything is written.
     """
+    if not _is_scripting() and not _is_dynamo_compiling():
+        if _call_zero_tail(buf, new_extent, prev_extent) is not NotImplemented:
+            return
     torch.ops.moeext.zero_tail_(buf, new_extent, prev_extent)
 
 
@@ -304,6 +315,9 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     anything is written (a compiled backward could not be trusted with the previous extent;
     the README says why), so differentiate through :func:`zero_tail_` instead.
     """
+    if not _is_scripting() and not _is_dynamo_compiling():
+        if _call_zero_tail_tracked(buf, state, new_extent) is not NotImplemented:
+            return
     torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
 
 
