@@ -33,7 +33,6 @@
 // where torch's own fill_ would write it and then raise.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
@@ -406,8 +405,8 @@ void zero_tail_tracked_autograd(c10::DispatchKeySet keys, const at::Tensor& buf,
   // a clone of an input it then mutates gets the same wrong gradient). Refused rather than
   // differentiable in eager mode alone.
   TORCH_CHECK(false, "zero_tail_tracked_: buf requires grad, but the tracked form records no "
-              "gradient (use zero_tail_, whose extents are ints, or call this under "
-              "torch.no_grad())");
+              "gradient (use zero_tail_, whose extents are arguments rather than device "
+              "values, or call this under torch.no_grad())");
 }
 
 void bump_version_of_written(const at::Tensor& t) {

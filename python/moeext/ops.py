@@ -140,11 +140,12 @@ def biased_grouped_topk_out(
     ``topk`` columns of a wider persistent buffer whose other columns hold shared experts:
     nothing outside the ``[num_tokens, topk]`` views is written. The outputs must not share
     memory with the logits, the bias, each other or themselves (views side by side in one
-    workspace are fine). On invalid arguments nothing is written at all. Records no gradient: in grad mode, a ``gating_output`` or
-    ``topk_weights`` that requires grad raises RuntimeError before anything is written, as
-    torch's ``out=`` ops raise (use :func:`biased_grouped_topk`, or ``torch.no_grad()``).
-    Bumps the autograd version of both outputs, as torch's ``out=`` ops do, so a backward
-    through a value it overwrote raises.
+    workspace are fine). On invalid arguments nothing is written at all.
+
+    Records no gradient: in grad mode, a ``gating_output`` or ``topk_weights`` that requires
+    grad raises RuntimeError before anything is written, as torch's ``out=`` ops raise (use
+    :func:`biased_grouped_topk`, or ``torch.no_grad()``). Bumps the autograd version of both
+    outputs, as torch's ``out=`` ops do, so a backward through a value it overwrote raises.
     """
     if not _is_scripting() and not _is_dynamo_compiling():
         out = _call_biased_grouped_topk_out(
@@ -306,14 +307,14 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
 
     Reads the previous extent from ``state`` (one int64 on ``buf``'s device, outside
     ``buf``'s memory), zeroes rows ``[new_extent, previous)`` of ``buf`` and stores
-    ``new_extent`` into ``state``. Because
-    the previous extent is read from memory when the op runs, a captured CUDA graph replays
-    correctly whatever batch ran before it. Start ``state`` at 0 with a zeroed buffer. A
-    negative value found in ``state`` is read as 0 (a device cannot reject it without a
-    host sync). Bumps the autograd versions of ``buf`` and ``state``, as :func:`zero_tail_`.
-    Records no gradient: a ``buf`` that requires grad in grad mode raises RuntimeError before
-    anything is written (a compiled backward could not be trusted with the previous extent;
-    the README says why), so differentiate through :func:`zero_tail_` instead.
+    ``new_extent`` into ``state``. Because the previous extent is read from memory when the
+    op runs, a captured CUDA graph replays correctly whatever batch ran before it. Start
+    ``state`` at 0 with a zeroed buffer. A negative value found in ``state`` is read as 0 (a
+    device cannot reject it without a host sync). Bumps the autograd versions of ``buf`` and
+    ``state``, as :func:`zero_tail_`. Records no gradient: a ``buf`` that requires grad in
+    grad mode raises RuntimeError before anything is written (a compiled backward could not
+    be trusted with the previous extent; the README says why), so differentiate through
+    :func:`zero_tail_` instead.
     """
     if not _is_scripting() and not _is_dynamo_compiling():
         if _call_zero_tail_tracked(buf, state, new_extent) is not NotImplemented:
