@@ -25,6 +25,8 @@
 #include <string_view>
 #include <tuple>
 
+#include "torch/op_handles.h"
+
 namespace moeext::torch_glue {
 namespace {
 
@@ -136,12 +138,7 @@ bool parse_routing_tail(PyObject* const* args, RoutingArgs& a) {
 PyObject* call_biased_grouped_topk(PyObject* /*self*/, PyObject* const* args,
                                    Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  using Sig = std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, bool,
-      double, c10::string_view);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("moeext::biased_grouped_topk", "")
-                             .typed<Sig>();
+  const auto& op = biased_grouped_topk_handle();
   at::Tensor gating_output;
   RoutingArgs a;
   int64_t topk = 0;
@@ -172,11 +169,7 @@ PyObject* call_biased_grouped_topk(PyObject* /*self*/, PyObject* const* args,
 PyObject* call_biased_grouped_topk_out(PyObject* /*self*/, PyObject* const* args,
                                        Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  using Sig = void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                   const at::Tensor&, int64_t, int64_t, bool, double, c10::string_view);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("moeext::biased_grouped_topk_out", "")
-                             .typed<Sig>();
+  const auto& op = biased_grouped_topk_out_handle();
   at::Tensor gating_output, topk_weights, topk_ids;
   RoutingArgs a;
   if (nargs != 9 || torch_function_mode_active() || !parse_tensor(args[0], gating_output) ||
@@ -199,9 +192,7 @@ PyObject* call_biased_grouped_topk_out(PyObject* /*self*/, PyObject* const* args
 // (hidden_states, weight, out_dtype) -> logits or NotImplemented
 PyObject* call_router_gemm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<at::ScalarType>);
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("moeext::router_gemm", "").typed<Sig>();
+  const auto& op = router_gemm_handle();
   at::Tensor hidden_states, weight;
   std::optional<at::ScalarType> out_dtype;
   if (nargs != 3 || torch_function_mode_active() || !parse_tensor(args[0], hidden_states) ||
@@ -231,9 +222,7 @@ bool zeroes_much(const at::Tensor& buf, int64_t new_extent, int64_t prev_extent)
 // (buf, new_extent, prev_extent) -> None or NotImplemented
 PyObject* call_zero_tail(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  using Sig = void(const at::Tensor&, c10::SymInt, c10::SymInt);
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("moeext::zero_tail_", "").typed<Sig>();
+  const auto& op = zero_tail_handle();
   at::Tensor buf;
   int64_t new_extent = 0, prev_extent = 0;
   if (nargs != 3 || torch_function_mode_active() || !parse_tensor(args[0], buf) ||
@@ -252,10 +241,7 @@ PyObject* call_zero_tail(PyObject* /*self*/, PyObject* const* args, Py_ssize_t n
 // so any buf that could hold a long tail releases the GIL.
 PyObject* call_zero_tail_tracked(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  using Sig = void(const at::Tensor&, const at::Tensor&, c10::SymInt);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("moeext::zero_tail_tracked_", "")
-                             .typed<Sig>();
+  const auto& op = zero_tail_tracked_handle();
   at::Tensor buf, state;
   int64_t new_extent = 0;
   if (nargs != 3 || torch_function_mode_active() || !parse_tensor(args[0], buf) ||
@@ -270,29 +256,26 @@ PyObject* call_zero_tail_tracked(PyObject* /*self*/, PyObject* const* args, Py_s
   END_HANDLE_TH_ERRORS
 }
 
+// METH_FASTCALL functions are stored as PyCFunction; the cast goes through void (*)() so
+// that compilers do not warn about the differing signature.
+PyCFunction fastcall(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
+}
+
 PyMethodDef kMethods[] = {
-    {"call_biased_grouped_topk", reinterpret_cast<PyCFunction>(
-                                     reinterpret_cast<void (*)()>(&call_biased_grouped_topk)),
-     METH_FASTCALL,
+    {"call_biased_grouped_topk", fastcall(&call_biased_grouped_topk), METH_FASTCALL,
      "moeext.biased_grouped_topk's direct call of the op: all eight arguments positionally, "
      "of the plain Python types; returns NotImplemented for anything else."},
-    {"call_biased_grouped_topk_out",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_biased_grouped_topk_out)),
-     METH_FASTCALL,
+    {"call_biased_grouped_topk_out", fastcall(&call_biased_grouped_topk_out), METH_FASTCALL,
      "moeext.biased_grouped_topk_out's direct call of the op: all nine arguments "
      "positionally, of the plain Python types; returns NotImplemented for anything else."},
-    {"call_router_gemm",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_router_gemm)),
-     METH_FASTCALL,
+    {"call_router_gemm", fastcall(&call_router_gemm), METH_FASTCALL,
      "moeext.router_gemm's direct call of the op: all three arguments positionally, of the "
      "plain Python types; returns NotImplemented for anything else."},
-    {"call_zero_tail", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_zero_tail)),
-     METH_FASTCALL,
+    {"call_zero_tail", fastcall(&call_zero_tail), METH_FASTCALL,
      "moeext.zero_tail_'s direct call of the op: all three arguments positionally, of the "
      "plain Python types; returns NotImplemented for anything else."},
-    {"call_zero_tail_tracked",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_zero_tail_tracked)),
-     METH_FASTCALL,
+    {"call_zero_tail_tracked", fastcall(&call_zero_tail_tracked), METH_FASTCALL,
      "moeext.zero_tail_tracked_'s direct call of the op: all three arguments positionally, of "
      "the plain Python types; returns NotImplemented for anything else."},
     {nullptr, nullptr, 0, nullptr},
