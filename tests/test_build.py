@@ -1,6 +1,8 @@
 """The build itself: what it reports, the run-time ISA switch, the registered ops."""
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,3 +86,18 @@ def test_every_gpu_source_is_built():
 def test_build_files_do_not_tune_for_the_build_machine():
     for name in ("CMakeLists.txt", "setup.py", "pyproject.toml"):
         assert "march=native" not in (ROOT / name).read_text()
+
+
+def test_an_error_is_raised_not_a_crash():
+    """A build that carried a private, static libstdc++ (its compiler linked one) died with
+    SIGSEGV formatting its first error message, where the two copies' stream facets met.
+    Run in a child process, so that such a build fails this test instead of the whole run."""
+    code = ("import torch, moeext\n"
+            "try:\n"
+            "    torch.ops.moeext.zero_tail_(torch.zeros(8), -1, 2)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-3000:]}"
+    assert "new_extent must be >= 0, got -1" in child.stdout
