@@ -9,6 +9,9 @@ Environment:
                       nvcc is found) or ROCm.
   MOEEXT_CUDA_ARCHS   CUDA architectures, CMake syntax (default "80;90a;100a")
   MOEEXT_HIP_ARCHS    AMD architectures (default "gfx90a;gfx942")
+  MOEEXT_CPU_ISAS     x86-64 CPU paths built besides scalar (default "avx2;avx512;avx512bf16";
+                      "" builds the portable path only, for a quicker build that runs no CPU
+                      kernel, such as the GPU checks)
 """
 
 import os
@@ -84,6 +87,8 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
             *gpu_cmake_args(),
+            "-DMOEEXT_CPU_ISAS=" + os.environ.get("MOEEXT_CPU_ISAS", "avx2;avx512;avx512bf16")
+            .replace(",", ";"),
         ]
         try:
             import ninja
