@@ -79,6 +79,18 @@ def test_scale_reference_is_the_spec_formula():
     assert_same_bytes(reference.e8m0_shuffle(s), spec_e8m0_shuffle(s))
 
 
+def test_references_stay_on_the_input_device(device):
+    """The references are what users compare with on their own device (and what the GPU
+    benchmark captures in a CUDA graph): nothing of theirs may land on the CPU."""
+    w = random_bytes((2, 32, 64), torch.uint8, seed=3).to(device)
+    s = random_bytes((64, 11), torch.uint8, seed=4).to(device)
+    shuffled = reference.e8m0_shuffle(s, gate_up=True, num_experts=2)
+    for out in (reference.shuffle_weight(w, gate_up=True),
+                reference.unshuffle_weight(w, gate_up=True), shuffled,
+                reference.e8m0_unshuffle(shuffled, 64, 11, gate_up=True, num_experts=2)):
+        assert out.device == s.device
+
+
 def test_gate_up_interleave_order(device):
     """Rows g0..g15, u0..u15, g16..g31, u16..u31: checked on row ids, not via the reference."""
     e, half, k = 2, 32, 32

@@ -193,7 +193,7 @@ def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False, num_experts=None) -
     if gate_up:
         bytes_ = _gate_up_interleave(bytes_, m // num_experts)
     pm, pn = (m + 255) // 256 * 256, (n + 7) // 8 * 8
-    padded = torch.full((pm, pn), 0x7F, dtype=torch.uint8)
+    padded = torch.full((pm, pn), 0x7F, dtype=torch.uint8, device=scale.device)
     padded[:m, :n] = bytes_
     # padded[a*32 + h*16 + c4][d*8 + e*4 + f] -> (a, d, f, c4, e, h)
     blocks = padded.view(pm // 32, 2, 16, pn // 8, 2, 4).permute(0, 3, 5, 2, 4, 1)
