@@ -9,6 +9,8 @@
 //     in registers, so each weight row is read exactly once and the hidden states (small,
 //     L2-resident) are re-read once per block;
 //   * at E = 256 that is 256 blocks (T <= 4) or 128 (T = 8, 16), filling an H100's 132 SMs;
+//     the 16-token instance runs one block per SM, and past one wave of them (E = 384) the
+//     platform GEMM is faster, so the caller is told to use it (router_gemm_small_t_pays);
 //   * per-thread partial sums are reduced by a reduce-scatter butterfly within each warp
 //     (router_gemm_tiling.h), then across the block's warps through shared memory in a fixed
 //     order.
@@ -223,8 +225,7 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
 
 template <int kTokens, int kWarpSize, typename In, typename Out>
 GpuError launch(const RouterGemmParams& p, gpu::Stream stream) {
-  constexpr int kExperts = gpu::router_gemm_experts_per_block(kTokens);
-  const unsigned blocks = unsigned((p.num_experts + kExperts - 1) / kExperts);
+  const unsigned blocks = unsigned(gpu::router_gemm_blocks(kTokens, p.num_experts));
   router_gemm_kernel<kTokens, kWarpSize, In, Out><<<blocks, kThreads, 0, stream>>>(p);
   return gpu::launch_status();
 }
@@ -276,14 +277,17 @@ GpuError launch_for_inputs(const RouterGemmParams& p, gpu::Stream stream) {
 }  // namespace
 
 bool router_gemm_cuda_supported(const RouterGemmParams& params) {
-  return gpu::router_gemm_small_t_supported(params);
+  return gpu::router_gemm_small_t_supported(params) &&
+         gpu::router_gemm_small_t_pays(params.num_tokens, params.num_experts,
+                                       gpu::multiprocessor_count_of_current_device());
 }
 
 GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream) {
   if (params.num_tokens == 0 || params.num_experts == 0) return nullptr;  // no logits
   if (!router_gemm_cuda_supported(params)) {
     return "router_gemm_cuda: params not supported by the small-T kernel (needs 1..16 tokens, "
-           "hidden_size % 8 == 0, 16-byte aligned rows); check router_gemm_cuda_supported";
+           "9..16 only while their blocks fit one wave, hidden_size % 8 == 0, 16-byte "
+           "aligned rows); check router_gemm_cuda_supported";
   }
   const gpu::Stream s = gpu::as_stream(stream);
   switch (gpu::warp_size_of_current_device()) {

@@ -40,6 +40,25 @@ void test_token_tiles() {
   }
 }
 
+void test_small_t_pays() {
+  // Up to 8 tokens the kernel always pays; the 16-token instance (two experts a block, one
+  // block an SM) only while its blocks fit one wave.
+  for (int64_t t = 1; t <= 8; ++t) {
+    CHECK(gpu::router_gemm_small_t_pays(t, 384, 132), "T %lld, E 384", static_cast<long long>(t));
+    CHECK(gpu::router_gemm_small_t_pays(t, 4096, 8), "T %lld, E 4096", static_cast<long long>(t));
+  }
+  for (int64_t t = 9; t <= 16; ++t) {
+    CHECK(gpu::router_gemm_small_t_pays(t, 256, 132), "T %lld, E 256", static_cast<long long>(t));
+    CHECK(gpu::router_gemm_small_t_pays(t, 264, 132), "T %lld, E 264", static_cast<long long>(t));
+    CHECK(!gpu::router_gemm_small_t_pays(t, 265, 132), "T %lld, E 265", static_cast<long long>(t));
+    CHECK(!gpu::router_gemm_small_t_pays(t, 384, 132), "T %lld, E 384", static_cast<long long>(t));
+    CHECK(!gpu::router_gemm_small_t_pays(t, 256, 108), "T %lld, E 256 on 108 SMs",
+          static_cast<long long>(t));
+  }
+  CHECK(gpu::router_gemm_blocks(1, 7) == 7 && gpu::router_gemm_blocks(16, 7) == 4,
+        "blocks of E = 7");
+}
+
 const void* fake_ptr(uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
 RouterGemmParams good_params() {
@@ -192,6 +211,7 @@ void test_reduce_scatter(int warp, int values, std::mt19937& rng) {
 int main() {
   test_token_tiles();
   test_supported();
+  test_small_t_pays();
   std::mt19937 rng(7);
   for (int warp : {32, 64}) {
     for (int values = 1; values <= 4 * warp; values *= 2) test_reduce_scatter(warp, values, rng);

@@ -43,7 +43,9 @@ void router_gemm_cpu(const RouterGemmParams& params, int64_t expert_begin, int64
 int64_t router_gemm_expert_block();
 
 // The GPU small-T kernel: whether it takes these params (few tokens, hidden_size a multiple
-// of 8, 16-byte aligned rows); the caller hands anything else to the platform GEMM.
+// of 8, 16-byte aligned rows) and beats the platform GEMM on the current device for them
+// (9..16 tokens only while their blocks fit one wave); the caller hands anything else to
+// the platform GEMM.
 bool router_gemm_cuda_supported(const RouterGemmParams& params);
 GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream);
 
