@@ -1,0 +1,259 @@
+"""Every moeext op on a CUDA GPU, against what engines run there today, in one process.
+
+Two times per function, both medians:
+
+  graph   device time per call: the calls captured back to back into one CUDA graph (so
+          no launch gaps from the host), replayed, timed with CUDA events. Where one input
+          set fits in L2, the graph cycles through several, so large cases read memory,
+          not the cache.
+  eager   wall time per call launched from Python one after another, the device synced
+          once per batch: at small sizes this is the host's launch cost.
+
+Baselines, measured in the same run on the same inputs:
+  biased_grouped_topk  the vLLM/SGLang torch-native grouped_topk (benchmarks/python/
+                       baselines.py), eager
+  router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
+                       x and w (the upcast vLLM does for fp32 router logits), and
+                       torch.mm(..., out_dtype=float32) where this torch has it
+  zero_tail_           the full fill_(0) it replaces
+  shuffles             moeext.reference (view/permute/contiguous), and a clone() of the
+                       same bytes (the bandwidth bound)
+
+    python benchmarks/python/bench_cuda.py [--quick] [--only grouped_topk,...] [--markdown]
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from baselines import torch_native_grouped_topk  # noqa: E402
+import moeext  # noqa: E402
+import moeext.reference  # noqa: E402
+from moeext.presets import PRESETS  # noqa: E402
+
+L2_SPAN = 256 << 20  # bytes of distinct inputs a graph cycles through, well over any L2
+CALLS_PER_GRAPH = 64
+
+
+def graph_us(make_calls, reps=15, calls_per_graph=CALLS_PER_GRAPH):
+    """Median device microseconds per call. ``make_calls()`` returns one zero-argument
+    callable per input set; they are captured round-robin into one graph, about
+    ``calls_per_graph`` calls in all."""
+    calls = make_calls()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(side)
+    rounds = max(1, calls_per_graph // len(calls))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def eager_us(make_calls, reps=15, batch=50):
+    """Median wall microseconds per call launched eagerly, one sync per batch."""
+    calls = make_calls()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for i in range(batch):
+            calls[i % len(calls)]()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6 / batch)
+    return statistics.median(times)
+
+
+def input_sets(nbytes):
+    return max(1, min(16, L2_SPAN // max(nbytes, 1)))
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, op, case, ours, baseline, theirs):
+        """ours / theirs: (graph_us, eager_us)."""
+        self.rows.append((op, case, ours, baseline, theirs))
+        print(f"{op:20s} {case:30s} moeext {ours[0]:9.2f} / {ours[1]:8.2f} us   "
+              f"{baseline:28s} {theirs[0]:9.2f} / {theirs[1]:8.2f} us   "
+              f"x{theirs[0] / ours[0]:6.2f} graph  x{theirs[1] / ours[1]:6.2f} eager", flush=True)
+
+    def markdown(self):
+        lines = ["| op | case | moeext graph (us) | moeext eager (us) | baseline | "
+                 "baseline graph (us) | baseline eager (us) | speed-up graph | speed-up eager |",
+                 "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+        for op, case, ours, baseline, theirs in self.rows:
+            lines.append(f"| {op} | {case} | {ours[0]:.2f} | {ours[1]:.2f} | {baseline} | "
+                         f"{theirs[0]:.2f} | {theirs[1]:.2f} | {theirs[0] / ours[0]:.1f}x | "
+                         f"{theirs[1] / ours[1]:.1f}x |")
+        return "\n".join(lines)
+
+
+def both(make_calls, calls_per_graph=CALLS_PER_GRAPH, batch=50):
+    return (graph_us(make_calls, calls_per_graph=calls_per_graph),
+            eager_us(make_calls, batch=batch))
+
+
+def grouped_topk(table, quick):
+    presets = ["deepseek-v3", "kimi-k2"] if quick else list(PRESETS)
+    tokens = [1, 64] if quick else [1, 16, 64, 1024, 4096, 16384]
+    for name in presets:
+        p = PRESETS[name]
+        for num_tokens in tokens:
+            g = torch.Generator(device="cuda").manual_seed(num_tokens)
+            sets = input_sets(num_tokens * p.num_experts * 2)
+            logits = [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g)
+                      .bfloat16() for _ in range(sets)]
+            bias = ((2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g))
+                    if p.has_bias else None)
+            rest = (p.num_expert_group, p.topk_group, p.topk, p.renormalize,
+                    p.routed_scaling_factor, p.scoring_func)
+
+            def calls(fn):
+                return lambda: [lambda x=x: fn(x, bias, *rest) for x in logits]
+
+            ours = both(calls(moeext.biased_grouped_topk))
+            case = f"{name} T={num_tokens}"
+            table.add("biased_grouped_topk", case, ours, "torch-native grouped_topk",
+                      both(calls(torch_native_grouped_topk)))
+
+
+def router_gemm(table, quick):
+    """Each input set has its own weight too: in a model, the layers between two router GEMMs
+    evict the gate from L2, so a call reads it from memory."""
+    hidden = 7168
+    experts = [256] if quick else [256, 384]
+    tokens = [1, 16] if quick else [1, 4, 8, 16, 64, 256, 1024, 4096]
+    has_out_dtype = True
+    try:
+        probe = torch.ones(2, 8, device="cuda", dtype=torch.bfloat16)
+        torch.mm(probe, probe.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        has_out_dtype = False
+    for num_experts in experts:
+        g = torch.Generator(device="cuda").manual_seed(num_experts)
+        for num_tokens in tokens:
+            sets = input_sets(num_tokens * hidden * 2 + num_experts * hidden * 6)
+            xws = []
+            for _ in range(sets):
+                w = (0.02 * torch.randn(num_experts, hidden, device="cuda", generator=g))
+                x = torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16()
+                xws.append((x, w.bfloat16(), w))
+
+            def calls(fn):
+                return lambda: [lambda xw=xw: fn(*xw) for xw in xws]
+
+            case = f"E={num_experts} H={hidden} T={num_tokens}"
+            ours = both(calls(lambda x, w, w32: moeext.router_gemm(x, w)))
+            linear_bf16 = both(calls(lambda x, w, w32: F.linear(x, w)))
+            table.add("router_gemm fp32", case, ours, "F.linear bf16 (bf16 out)", linear_bf16)
+            table.add("router_gemm fp32", case, ours, "F.linear fp32, w pre-upcast",
+                      both(calls(lambda x, w, w32: F.linear(x.float(), w32))))
+            if has_out_dtype:
+                table.add("router_gemm fp32", case, ours, "torch.mm out_dtype=fp32",
+                          both(calls(lambda x, w, w32: torch.mm(x, w.t(),
+                                                                out_dtype=torch.float32))))
+            table.add("router_gemm bf16", case,
+                      both(calls(lambda x, w, w32: moeext.router_gemm(x, w, torch.bfloat16))),
+                      "F.linear bf16 (bf16 out)", linear_bf16)
+
+
+def zero_tail(table, quick):
+    mib = 16 if quick else 256
+    n = mib * (1 << 20) // 4
+    buf = torch.zeros(n, dtype=torch.int32, device="cuda")
+    fill = both(lambda: [lambda: buf.fill_(0)])
+    for tail in (0.0, 0.01, 0.10, 1.0):
+        new_extent = n - int(n * tail)
+        ours = both(lambda: [lambda: moeext.zero_tail_(buf, new_extent, n)])
+        table.add("zero_tail_", f"{mib} MiB int32, {tail:.0%} tail", ours, "full fill_(0)", fill)
+    state = torch.zeros(1, dtype=torch.int64, device="cuda")
+    ours = both(lambda: [lambda: moeext.zero_tail_tracked_(buf, state, 0)])
+    table.add("zero_tail_tracked_", f"{mib} MiB int32, no-op", ours, "full fill_(0)", fill)
+
+
+# The shuffles allocate their output (up to 0.5 GB a call), as their baselines do.
+BIG = dict(calls_per_graph=4, batch=8)
+
+
+def shuffles(table, quick):
+    experts = 4 if quick else 32
+    n, k_bytes = 4096, 3584
+    w = torch.randint(0, 256, (experts, n, k_bytes), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(100, 140, (experts * n, k_bytes * 2 // 32), dtype=torch.uint8,
+                           device="cuda")
+    clone = both(lambda: [lambda: w.clone()], **BIG)
+    for gate_up in (False, True):
+        case = f"{experts}x[{n},{k_bytes}] B" + (" gate_up" if gate_up else "")
+        ours = both(lambda: [lambda: moeext.shuffle_weight(w, gate_up=gate_up)], **BIG)
+        table.add("shuffle_weight", case, ours, "view/permute/contiguous",
+                  both(lambda: [lambda: moeext.reference.shuffle_weight(w, gate_up=gate_up)],
+                       **BIG))
+        table.add("shuffle_weight", case, ours, "clone() of the weight", clone)
+    clone = both(lambda: [lambda: scales.clone()], **BIG)
+    for gate_up in (False, True):
+        kw = dict(gate_up=gate_up, num_experts=experts if gate_up else None)
+        case = f"[{experts * n},224]" + (" gate_up" if gate_up else "")
+        ours = both(lambda: [lambda: moeext.e8m0_shuffle(scales, **kw)], **BIG)
+        table.add("e8m0_shuffle", case, ours, "view/permute/contiguous",
+                  both(lambda: [lambda: moeext.reference.e8m0_shuffle(scales, **kw)],
+                       **BIG))
+        table.add("e8m0_shuffle", case, ours, "clone() of the scales", clone)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few, small cases")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated: grouped_topk,router_gemm,zero_tail,shuffles")
+    parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or "cuda" not in moeext.build_info()["backends"]:
+        raise SystemExit("bench_cuda.py needs a CUDA GPU and a moeext built with CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    print(f"# moeext on {props.name} ({props.multi_processor_count} SMs), torch "
+          f"{torch.__version__}, CUDA {torch.version.cuda}; graph / eager us per call")
+    only = set(args.only.split(",")) if args.only else None
+    table = Table()
+    suites = {"grouped_topk": lambda: grouped_topk(table, args.quick),
+              "router_gemm": lambda: router_gemm(table, args.quick),
+              "zero_tail": lambda: zero_tail(table, args.quick),
+              "shuffles": lambda: shuffles(table, args.quick)}
+    for name, run in suites.items():
+        if only is None or name in only:
+            run()
+    if args.markdown:
+        print()
+        print(table.markdown())
+
+
+if __name__ == "__main__":
+    main()
