@@ -72,6 +72,15 @@ def gpu_cmake_args():
             f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
 
 
+def cpu_isa_cmake_args():
+    """MOEEXT_CPU_ISAS as given, else unset, so that a reused build directory falls back to
+    CMakeLists.txt's default rather than keeping a previous choice."""
+    isas = os.environ.get("MOEEXT_CPU_ISAS")
+    if isas is None:
+        return ["-UMOEEXT_CPU_ISAS"]
+    return ["-DMOEEXT_CPU_ISAS=" + isas.replace(",", ";")]
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         import pybind11
@@ -87,8 +96,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
             *gpu_cmake_args(),
-            "-DMOEEXT_CPU_ISAS=" + os.environ.get("MOEEXT_CPU_ISAS", "avx2;avx512;avx512bf16")
-            .replace(",", ";"),
+            *cpu_isa_cmake_args(),
         ]
         try:
             import ninja
