@@ -110,6 +110,27 @@ __device__ __forceinline__ T shfl(T value, int src_lane) {
 #endif
 }
 
+// CUDA sm_80 and later reduce a 32-bit integer over the warp in one instruction (redux.sync);
+// a butterfly of shuffles is five dependent round trips. Defined only where it exists.
+#if !defined(MOEEXT_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MOEEXT_HAS_WARP_REDUX 1
+__device__ __forceinline__ uint32_t warp_reduce_max(uint32_t value) {
+  return __reduce_max_sync(0xffffffffu, value);
+}
+__device__ __forceinline__ uint32_t warp_reduce_min(uint32_t value) {
+  return __reduce_min_sync(0xffffffffu, value);
+}
+#endif
+
+// The lowest lane whose bit is set in a nonzero mask.
+__device__ __forceinline__ int lowest_lane(LaneMask mask) {
+#if defined(MOEEXT_HIP)
+  return __ffsll(static_cast<unsigned long long>(mask)) - 1;
+#else
+  return __ffs(static_cast<int>(mask)) - 1;
+#endif
+}
+
 // Bit i set for each lane i whose predicate holds (LaneMask wide).
 __device__ __forceinline__ LaneMask ballot(bool predicate) {
 #if defined(MOEEXT_HIP)

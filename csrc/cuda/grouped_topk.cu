@@ -5,9 +5,10 @@
 // Two kernels, picked per topology by plan_fast_path():
 //   * warp kernel (E <= 512, topk <= 32, num_expert_group <= 32): one token per warp, each
 //     lane holding kExpertsPerLane contiguous experts in registers. Decode batches are a
-//     handful of tokens, so the latency of one token is what counts: every step is a few
-//     shuffles, and a block holds as few warps as the batch allows so that tokens spread
-//     over the multiprocessors.
+//     handful of tokens, so the latency of one token is what counts: each of the topk
+//     argmax rounds is a few dozen instructions on 32-bit values with two warp reductions
+//     (one redux.sync each on CUDA sm_80+), and a block holds as few warps as the batch
+//     allows so that tokens spread over the multiprocessors.
 //   * block kernel (everything else up to kMaxExperts experts): one token per block of
 //     kGeneralThreads, b and the group scores in shared memory, block-wide argmax.
 //
@@ -98,14 +99,64 @@ __device__ __forceinline__ uint32_t* shared_words() {
   return reinterpret_cast<uint32_t*>(moeext_grouped_topk_smem);
 }
 
+// Largest value over the warp, in every lane.
+template <int kWarpSize>
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t x) {
+#if defined(MOEEXT_HAS_WARP_REDUX)
+  return warp_reduce_max(x);
+#else
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const uint32_t other = shfl_xor(x, offset);
+    x = other > x ? other : x;
+  }
+  return x;
+#endif
+}
+
+// Smallest value over the warp, in every lane, where the lanes that hold a value below
+// kNone hold increasing values in lane order (so the lowest such lane has it).
+constexpr uint32_t kNone = 0xffffffffu;
+template <int kWarpSize>
+__device__ __forceinline__ uint32_t warp_min_ascending(uint32_t x) {
+#if defined(MOEEXT_HAS_WARP_REDUX)
+  return warp_reduce_min(x);
+#else
+  const LaneMask holders = ballot(x != kNone);
+  return holders == 0 ? kNone : shfl(x, lowest_lane(holders));
+#endif
+}
+
 template <int kWarpSize>
 __device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
+#if defined(MOEEXT_HAS_WARP_REDUX)
+  // The value word, then the index word among the lanes that hold that value: two
+  // instructions in place of ten shuffles.
+  const uint32_t high = warp_reduce_max(uint32_t(key >> 32));
+  const uint32_t low = warp_reduce_max(uint32_t(key >> 32) == high ? uint32_t(key) : 0u);
+  return (uint64_t(high) << 32) | low;
+#else
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const uint64_t other = shfl_xor(key, offset);
     key = other > key ? other : key;
   }
   return key;
+#endif
+}
+
+// The largest of x[kBegin, kEnd), reduced as a tree: log2(kCount) dependent compares rather
+// than kCount - 1, on the critical path of every argmax round. (Recursion, not a loop: a
+// loop whose stride halves is not unrolled, and the array went to local memory.)
+template <int kBegin, int kEnd, typename T, int kCount>
+__device__ __forceinline__ T lane_max(const T (&x)[kCount]) {
+  if constexpr (kEnd - kBegin == 1) {
+    return x[kBegin];
+  } else {
+    const T a = lane_max<kBegin, (kBegin + kEnd) / 2>(x);
+    const T b = lane_max<(kBegin + kEnd) / 2, kEnd>(x);
+    return a > b ? a : b;
+  }
 }
 
 // NaN-free inputs. Partner lanes combine the same two values, so every lane ends with the
@@ -279,7 +330,9 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
                     p.gating_col_stride, first, num_experts, s);
     score_lane<kWarpSize, V>(p.scoring_func, first, num_experts, s);
 
-    uint64_t key[V];
+    // The rounds below compare b by ordered_bits; 0, below every real value (-inf's is
+    // 0x007fffff), marks an expert out of play.
+    uint32_t value[V];
     Top2 top2 = top2_empty();  // of this lane's b, which lies in one group
 #pragma unroll
     for (int i = 0; i < V; ++i) {
@@ -287,7 +340,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
       if constexpr (kHasBias) b += bias[i];
       b = nan_to_neg_inf(b);
       const bool valid = first + i < num_experts;
-      key[i] = valid ? make_key(b, uint32_t(first + i)) : kRemovedKey;
+      value[i] = valid ? ordered_bits(b) : 0u;
       if (select_groups && valid) {
         if (groups_in_registers) {
           top2 = top2_push(top2, b);
@@ -328,7 +381,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
         // group * lanes_per_group <= lane: in range even for lanes past the last expert.
         if (((kept >> (group * lanes_per_group)) & 1) == 0) {
 #pragma unroll
-          for (int i = 0; i < V; ++i) key[i] = kRemovedKey;
+          for (int i = 0; i < V; ++i) value[i] = 0u;
         }
       } else {
         int expert_group = first / group_size;
@@ -337,7 +390,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
         for (int i = 0; i < V; ++i) {
           if (first + i < num_experts &&
               ((kept >> (expert_group * lanes_per_group)) & 1) == 0) {
-            key[i] = kRemovedKey;
+            value[i] = 0u;
           }
           if (++in_group == group_size) {
             in_group = 0;
@@ -347,34 +400,43 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
       }
     }
 
-    // Steps 5-7: topk rounds of warp argmax; lane j keeps the j-th winner. Every lane adds
-    // the weights in winning order, the CPU's summation order.
-    int chosen_id = 0;
-    float chosen_weight = 0.0f;
-    float sum = 0.0f;
+    // Steps 5-7: topk rounds of warp argmax. A round takes the largest value, then the
+    // lowest expert that holds it (the tie rule): lanes hold ascending experts, so that is
+    // each lane's first match, then the lowest lane's. Lane j keeps the j-th winner; the
+    // weights are gathered after the last round, keeping a shuffle off each round's path.
+    uint32_t chosen_id = 0;
     for (int j = 0; j < topk; ++j) {
-      uint64_t best = key[0];
+      const uint32_t best = warp_max_u32<kWarpSize>(lane_max<0, V>(value));
+      uint32_t lane_first = kNone;
 #pragma unroll
-      for (int i = 1; i < V; ++i) best = key[i] > best ? key[i] : best;
-      best = warp_max_key<kWarpSize>(best);
-      const uint32_t id = key_index(best);
-      float w = 0.0f;
+      for (int i = V - 1; i >= 0; --i) {
+        lane_first = value[i] == best ? uint32_t(first + i) : lane_first;
+      }
+      const uint32_t id = warp_min_ascending<kWarpSize>(lane_first);
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        if (key[i] == best) {  // keys are unique: only the owner's lane matches
-          w = s[i];
-          key[i] = kRemovedKey;
-        }
-      }
-      w = weight_of_score(shfl(w, int(id / V)));
-      sum += w;
-      if (lane == j) {
-        chosen_id = int(id);
-        chosen_weight = w;
-      }
+      for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
+      chosen_id = lane == j ? id : chosen_id;
+    }
+    // The owner of expert e holds s[e % V]; one independent shuffle per slot.
+    float chosen_weight = 0.0f;
+    const int owner = int(chosen_id) / V;
+    const int slot = int(chosen_id) % V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float w = shfl(s[i], owner);
+      chosen_weight = slot == i ? w : chosen_weight;
+    }
+    chosen_weight = weight_of_score(chosen_weight);
+    // Every lane adds the weights in winning order, the CPU's summation order.
+    // (All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.)
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kWarpSize; ++j) {
+      const float w = shfl(chosen_weight, j);
+      if (j < topk) sum += w;
     }
     if (lane < topk) {
-      p.topk_ids[token * p.ids_row_stride + lane] = chosen_id;
+      p.topk_ids[token * p.ids_row_stride + lane] = int32_t(chosen_id);
       p.topk_weights[token * p.weights_row_stride + lane] =
           finalize_weight(chosen_weight, sum, p.renormalize, p.routed_scaling_factor);
     }
