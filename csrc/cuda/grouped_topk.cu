@@ -99,18 +99,25 @@ __device__ __forceinline__ uint32_t* shared_words() {
   return reinterpret_cast<uint32_t*>(moeext_grouped_topk_smem);
 }
 
+// Largest value over the warp by a butterfly of shuffles: partner lanes combine the same two
+// values, so every lane ends with the same bits. Integers, or NaN-free floats.
+template <int kWarpSize, typename T>
+__device__ __forceinline__ T butterfly_max(T x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const T other = shfl_xor(x, offset);
+    x = other > x ? other : x;
+  }
+  return x;
+}
+
 // Largest value over the warp, in every lane.
 template <int kWarpSize>
 __device__ __forceinline__ uint32_t warp_max_u32(uint32_t x) {
 #if defined(MOEEXT_HAS_WARP_REDUX)
   return warp_reduce_max(x);
 #else
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const uint32_t other = shfl_xor(x, offset);
-    x = other > x ? other : x;
-  }
-  return x;
+  return butterfly_max<kWarpSize>(x);
 #endif
 }
 
@@ -136,12 +143,7 @@ __device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
   const uint32_t low = warp_reduce_max(uint32_t(key >> 32) == high ? uint32_t(key) : 0u);
   return (uint64_t(high) << 32) | low;
 #else
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const uint64_t other = shfl_xor(key, offset);
-    key = other > key ? other : key;
-  }
-  return key;
+  return butterfly_max<kWarpSize>(key);
 #endif
 }
 
@@ -157,18 +159,6 @@ __device__ __forceinline__ T lane_max(const T (&x)[kCount]) {
     const T b = lane_max<(kBegin + kEnd) / 2, kEnd>(x);
     return a > b ? a : b;
   }
-}
-
-// NaN-free inputs. Partner lanes combine the same two values, so every lane ends with the
-// same bits.
-template <int kWarpSize>
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const float other = shfl_xor(x, offset);
-    x = other > x ? other : x;
-  }
-  return x;
 }
 
 template <int kWarpSize>
@@ -279,7 +269,7 @@ __device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, 
           row_max = x[i] > row_max ? x[i] : row_max;
         }
       }
-      row_max = warp_max<kWarpSize>(row_max);
+      row_max = butterfly_max<kWarpSize>(row_max);
       // A NaN anywhere makes the whole row NaN, as in the reference.
       if (ballot(has_nan) != 0) row_max = quiet_nan();
       float sum = 0.0f;
@@ -502,7 +492,7 @@ __device__ __forceinline__ uint32_t block_select(int n, int k, uint32_t skip, ui
 template <int kWarpSize>
 __device__ __forceinline__ float block_max(float x, float* partial) {
   constexpr int kWarps = kGeneralThreads / kWarpSize;
-  x = warp_max<kWarpSize>(x);
+  x = butterfly_max<kWarpSize>(x);
   if (thread_index() % kWarpSize == 0) partial[thread_index() / kWarpSize] = x;
   __syncthreads();
   float result = partial[0];
