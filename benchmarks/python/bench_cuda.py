@@ -20,6 +20,7 @@ Baselines, measured in the same run on the same inputs:
                        same bytes (the bandwidth bound)
 
     python benchmarks/python/bench_cuda.py [--quick] [--only grouped_topk,...] [--markdown]
+                                           [--tokens 9,12,15]
 """
 
 import argparse
@@ -121,9 +122,9 @@ def both(make_calls, calls_per_graph=CALLS_PER_GRAPH, batch=50):
             eager_us(make_calls, batch=batch))
 
 
-def grouped_topk(table, quick):
+def grouped_topk(table, quick, tokens=None):
     presets = ["deepseek-v3", "kimi-k2"] if quick else list(PRESETS)
-    tokens = [1, 64] if quick else [1, 16, 64, 1024, 4096, 16384]
+    tokens = tokens or ([1, 64] if quick else [1, 16, 64, 1024, 4096, 16384])
     for name in presets:
         p = PRESETS[name]
         for num_tokens in tokens:
@@ -145,12 +146,12 @@ def grouped_topk(table, quick):
                       both(calls(torch_native_grouped_topk)))
 
 
-def router_gemm(table, quick):
+def router_gemm(table, quick, tokens=None):
     """Each input set has its own weight too: in a model, the layers between two router GEMMs
     evict the gate from L2, so a call reads it from memory."""
     hidden = 7168
     experts = [256] if quick else [256, 384]
-    tokens = [1, 16] if quick else [1, 4, 8, 16, 64, 256, 1024, 4096]
+    tokens = tokens or ([1, 16] if quick else [1, 4, 8, 16, 64, 256, 1024, 4096])
     has_out_dtype = True
     try:
         probe = torch.ones(2, 8, device="cuda", dtype=torch.bfloat16)
@@ -234,6 +235,9 @@ def main(argv=None):
     parser.add_argument("--only", default=None,
                         help="comma-separated: grouped_topk,router_gemm,zero_tail,shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    parser.add_argument("--tokens", default=None, type=lambda s: [int(t) for t in s.split(",")],
+                        help="comma-separated token counts for grouped_topk and router_gemm, "
+                             "in place of their defaults (e.g. 9,12,15)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or "cuda" not in moeext.build_info()["backends"]:
         raise SystemExit("bench_cuda.py needs a CUDA GPU and a moeext built with CUDA")
@@ -243,8 +247,8 @@ def main(argv=None):
           f"{torch.__version__}, CUDA {torch.version.cuda}; graph / eager us per call")
     only = set(args.only.split(",")) if args.only else None
     table = Table()
-    suites = {"grouped_topk": lambda: grouped_topk(table, args.quick),
-              "router_gemm": lambda: router_gemm(table, args.quick),
+    suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens),
+              "router_gemm": lambda: router_gemm(table, args.quick, args.tokens),
               "zero_tail": lambda: zero_tail(table, args.quick),
               "shuffles": lambda: shuffles(table, args.quick)}
     for name, run in suites.items():
