@@ -30,7 +30,7 @@ enum class DType : int8_t {
 enum class CpuIsa : int8_t {
   kAuto = -1,
   kScalar = 0,
-  kAvx2 = 1,        // AVX2 + FMA + F16C: router_gemm and e8m0_shuffle; the rest run scalar there
+  kAvx2 = 1,        // AVX2 + FMA + F16C: routing, router_gemm and e8m0_shuffle
   kAvx512 = 2,
   kAvx512Bf16 = 3,  // AVX-512 plus vdpbf16ps (Zen 4/5, Cooper Lake, Sapphire Rapids)
 };
