@@ -122,15 +122,6 @@ __device__ __forceinline__ uint32_t warp_reduce_min(uint32_t value) {
 }
 #endif
 
-// The lowest lane whose bit is set in a nonzero mask.
-__device__ __forceinline__ int lowest_lane(LaneMask mask) {
-#if defined(MOEEXT_HIP)
-  return __ffsll(static_cast<unsigned long long>(mask)) - 1;
-#else
-  return __ffs(static_cast<int>(mask)) - 1;
-#endif
-}
-
 // Bit i set for each lane i whose predicate holds (LaneMask wide).
 __device__ __forceinline__ LaneMask ballot(bool predicate) {
 #if defined(MOEEXT_HIP)
