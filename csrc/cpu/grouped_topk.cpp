@@ -471,8 +471,7 @@ inline int64_t keep_groups(const float* b, int64_t num_groups, int64_t group_siz
 // the floor). With k <= kLaneMaxK the lane maxima alone give a floor almost as tight at a
 // quarter of the ranking work: on 16 lanes up to k = 16. On 8 lanes the maxima leave
 // too many candidates already at k = 6 and 8 (9.3 and 20 on average for routers of 160 to
-// 384 experts, against 6.2 and 8.7 from the top-2), so there only up to k = 4 (and on
-// the one-lane portable path never).
+// 384 experts, against 6.2 and 8.7 from the top-2), so there only up to k = 4.
 // Returns -inf for k > 2W: every expert is a candidate.
 constexpr int64_t kLaneMaxK = W >= 16 ? W : W / 2;
 inline float floor_from_lanes(const LaneTop2& top, int64_t k) {

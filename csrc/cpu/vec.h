@@ -11,7 +11,7 @@
 #elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
 #include "cpu/vec_avx2.h"
 #elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
-#include "cpu/vec_scalar.h"
+#include "cpu/vec_portable.h"
 #else
 #error "no vector layer for this MOEEXT_CPU_ISA"
 #endif

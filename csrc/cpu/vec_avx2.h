@@ -2,7 +2,7 @@
 // most Intel client parts. Only compiled into the avx2 copy of each kernel; dispatch.cpp calls
 // that copy only on a CPU that reports AVX2, FMA and F16C.
 //
-// AVX2 has no mask registers. Masks are bit sets (bit i = lane i) as on the scalar path, so
+// AVX2 has no mask registers. Masks are bit sets (bit i = lane i) as on the portable layer, so
 // the kernels keep their integer mask logic unchanged; the operations that need a lane mask
 // widen the bits with a broadcast, an AND and a compare.
 #pragma once
@@ -105,7 +105,7 @@ struct Vec {
   static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   static Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }
   static Vec sqrt(Vec a) { return {_mm256_sqrt_ps(a.v)}; }
-  // Exact, as on the scalar path: AVX2's estimate has 12 bits, and one Newton step from it
+  // Exact, as on the portable layer: AVX2's estimate has 12 bits, and one Newton step from it
   // leaves about 2^-22, not far enough below the rounding vlog1p_unit relies on.
   static Vec reciprocal(Vec d) { return {_mm256_div_ps(_mm256_set1_ps(1.0f), d.v)}; }
   static Vec round(Vec a) {

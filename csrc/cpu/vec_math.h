@@ -1,5 +1,5 @@
 // exp (within 1 ulp) and log1p on [0, 1] over the Vec of this ISA. Written once over Vec so
-// every path shares every step; they differ only in Vec::reciprocal (exact on scalar and
+// every path shares every step; they differ only in Vec::reciprocal (exact on portable and
 // AVX2, rcp14 + one Newton step on AVX-512).
 #pragma once
 

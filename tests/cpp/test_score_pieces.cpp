@@ -12,7 +12,7 @@
 
 #define MOEEXT_CPU_ISA scalar
 #include "cpu/score_pieces.h"
-#include "cpu/vec_scalar.h"
+#include "cpu/vec_portable.h"
 #include "check.h"
 
 using moeext::cpu::bits_to_float;
@@ -24,6 +24,13 @@ using moeext::cpu::scalar::Vec;
 
 namespace {
 
+// Lane 0 of a vector: the checks broadcast one value to all lanes.
+float lane0(Vec x) {
+  float lanes[Vec::kWidth];
+  x.store(lanes);
+  return lanes[0];
+}
+
 double worst = 0.0;
 
 // Outside [-16, 16), NaN or inf: reported as outside. Inside: within the bound, and reported
@@ -31,7 +38,7 @@ double worst = 0.0;
 // the kernel scores such rows exactly.
 void check(const ScorePieces& pieces, float x) {
   Vec::PiecesSeen seen = Vec::no_pieces_seen();
-  const float approx = Vec::piecewise_cubic(Vec::set1(x), pieces, seen).v;
+  const float approx = lane0(Vec::piecewise_cubic(Vec::set1(x), pieces, seen));
   const bool outside = !Vec::all_pieces_inside(seen);
   const bool inside = x >= -16.0f && x < 16.0f;
   if (!inside) {
