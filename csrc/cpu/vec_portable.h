@@ -31,7 +31,7 @@ MOEEXT_ALWAYS_INLINE F4 shuffle(F4 a, F4 b) {
 #if defined(__clang__)
   return __builtin_shufflevector(a, b, i0, i1, i2, i3);
 #else
-  return __builtin_shuffle(a, b, I4{i0, i1, i2, i3});  // GCC has __builtin_shufflevector from 12
+  return __builtin_shuffle(a, b, I4{i0, i1, i2, i3});  // GCC before 12 lacks shufflevector
 #endif
 }
 
@@ -226,11 +226,13 @@ struct Vec {
 
   // The lanes of m, packed in lane order, to values[0..) and their indices first_index + lane
   // to indices[0..). Writes slots up to the count (at most all 8); returns the count.
-  MOEEXT_ALWAYS_INLINE static int compress_store(Vec x, Mask m, int32_t first_index, float* values,
-                            int32_t* indices) {
+  MOEEXT_ALWAYS_INLINE static int compress_store(Vec x, Mask m, int32_t first_index,
+                                                float* values, int32_t* indices) {
+    float lanes[8];
+    x.store(lanes);
     int count = 0;
     for (int i = 0; i < 8; ++i) {  // branch-free: slot `count` is overwritten until taken
-      values[count] = lane(x, i);
+      values[count] = lanes[i];
       indices[count] = first_index + i;
       count += int((m >> i) & 1u);
     }
@@ -239,10 +241,11 @@ struct Vec {
   // acc with the lanes of m of x, packed in lane order, placed from lane `count` (< 8) on;
   // lanes past 7 are dropped.
   MOEEXT_ALWAYS_INLINE static Vec append_compressed(Vec acc, Vec x, Mask m, int count) {
-    float out[8];
+    float out[8], lanes[8];
     acc.store(out);
+    x.store(lanes);
     for (uint32_t rest = m; rest != 0 && count < 8; rest &= rest - 1) {
-      out[count++] = lane(x, __builtin_ctz(rest));
+      out[count++] = lanes[__builtin_ctz(rest)];
     }
     return load(out);
   }
@@ -255,8 +258,6 @@ struct Vec {
   template <int kGroups>
   MOEEXT_ALWAYS_INLINE static void reduce_groups_top2(Vec* first, Vec* second) {
     static_assert(kGroups == 4 || kGroups == 8, "one merge tree of 8 lanes");
-    using portable_detail::max4;
-    using portable_detail::min4;
     const Vec neg_inf = set1(-__builtin_inff());
     int n = kGroups;
 #pragma GCC unroll 3
