@@ -412,10 +412,10 @@ def test_candidate_pass_in_lanes_is_the_row_path(cpu_isa, num_tokens, num_expert
     _route_both_layouts(logits[:16], bias, **kw)
 
 
-# Rows in lanes (AVX-512; softmax or sigmoid, up to 256 experts, 16 groups and topk 8, a bias
-# only where every group is kept): 16 rows at a time, checked bit for bit against the
-# row-at-a-time path that column-strided logits take. 53 rows: three blocks and five rows
-# after them.
+# Rows in lanes (softmax or sigmoid, up to 256 experts, 16 groups and topk 8, a bias only
+# where every group is kept; on AVX2 with every group kept only up to E x topk = 768): 16 rows
+# at a time on AVX-512, 8 on AVX2, checked bit for bit against the row-at-a-time path that
+# column-strided logits take. 53 rows: three blocks (six on AVX2) and five rows after them.
 LANE_TOPOLOGIES = [
     # num_experts, num_expert_group, topk_group, topk
     (160, 8, 3, 6),  # DeepSeek-V2
@@ -427,6 +427,8 @@ LANE_TOPOLOGIES = [
     (48, 4, 2, 5),
     (7, 7, 3, 2),  # groups of one expert
     (16, 2, 1, 8),  # topk == the kept group's size
+    (100, 4, 4, 6),  # every group kept, a partial last vector, in lanes on AVX2 too
+    (132, 4, 2, 4),  # groups of 33: each group's last expert in its own vector
 ]
 LANE_CASES = [
     (topology, scoring_func, bias_dtype)

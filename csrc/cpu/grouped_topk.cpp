@@ -156,6 +156,34 @@ constexpr int kMaxSoftmaxVecs = W == 16 ? 16 : W == 8 ? 8 : 0;
 template <typename LogitT>
 using SoftmaxFn = bool (*)(const LogitT*, int64_t, float*, int64_t);
 
+// Longer rows: the maximum and the exps in two passes over scores (vector i at scores + i *
+// vector_stride); returns the exps' sum. The same operations in the same order as
+// softmax_in_registers; a NaN the maximum misses still makes the sum NaN (see there).
+// score_row keeps its own copy: calling this one there changed the AVX-512 object's softmax
+// functions (GCC inlined route_rows differently), which no AVX-512 machine has timed since.
+template <typename LogitT>
+MOEEXT_ALWAYS_INLINE float softmax_exps_in_passes(const LogitT* logits, int64_t num_experts,
+                                                  float* scores, int64_t vector_stride) {
+  Vec row_max = Vec::set1(kNegInf);
+  for (int64_t e = 0; e < num_experts; e += W) {
+    const auto m = Vec::tail_mask(num_experts - e);
+    const Vec x = Vec::load(logits + e, m, kNegInf);
+    row_max = Vec::max(row_max, x);
+    x.store(scores + e / W * vector_stride, m);
+  }
+  const Vec shift = Vec::set1(Vec::reduce_max(row_max));
+  Vec sum = Vec::set1(0.0f);
+  for (int64_t e = 0; e < num_experts; e += W) {
+    const auto m = Vec::tail_mask(num_experts - e);
+    float* const at = scores + e / W * vector_stride;
+    const Vec ex = Vec::select(m, vexp_nonpositive(Vec::load(at, m, kNegInf) - shift),
+                               Vec::set1(0.0f));
+    sum = sum + ex;
+    ex.store(at, m);
+  }
+  return Vec::reduce_add(sum);
+}
+
 template <typename LogitT, int... I>
 constexpr std::array<SoftmaxFn<LogitT>, sizeof...(I)> softmax_table(
     std::integer_sequence<int, I...>) {
@@ -967,11 +995,21 @@ template <ScoringFunc kScore, typename LogitT, typename BiasT>
 // scores are top-2 sums, left to route_rows. Each row is scored by the functions route_rows
 // uses, b and the weights are computed with store_biased's and write_row_outputs' operations
 // in their order, so the outputs are route_rows' bit for bit.
-// Only where a vector has kLaneRows lanes: on AVX2, whose masks are bit sets, each select of
-// the insertion would first widen its mask into a vector.
-constexpr bool kRowsInLanes = W == kLaneRows;
+// On AVX-512 (16 rows a block) and AVX2 (8; its insertion holds its masks as whole lanes, see
+// Vec::LaneMask). Not on the portable layer, which serves aarch64: untimed there.
+constexpr bool kRowsInLanes = W == kLaneRows || MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2;
+// The candidate pass in lanes marks experts in 64-bit words of four 16-lane vectors.
+constexpr bool kApproxRowsInLanes = W == kLaneRows;
 constexpr int64_t kLaneMaxTopk = 8;
 constexpr int64_t kLaneMaxGroups = 16;
+// Where every group is kept, every expert is offered to the topk slots. A block of 8 rows
+// shares each offer between half the rows a block of 16 does, and AVX2's 16 registers barely
+// hold 8 slots and their ids: on Zen 3 the row pass was faster past about 768 offers x slots
+// per row (E = 160 rows took 1.27x the row pass's time at topk = 8, the same at 6; E = 64 at
+// topk = 8 0.78x, E = 128 at topk = 6 0.91x). Groups dropped (the insertion offered only the
+// kept groups' experts) measured faster everywhere: DeepSeek-V2's shape 0.62-0.69x at topk
+// <= 6, E = 256 in 8 groups at topk = 8 0.97x.
+constexpr int64_t kLaneMaxOffersAllKept = 768;
 
 // The lanes' best K values v so far, best first, and their experts' ids (as floats, exact far
 // past kLaneMaxExperts); slots filled..K-1 are empty. x, of expert x_id, goes after every
@@ -979,18 +1017,18 @@ constexpr int64_t kLaneMaxGroups = 16;
 // value holds a lower index, which wins. (Empty slots rather than -inf ones: b may be -inf.)
 template <int K>
 MOEEXT_ALWAYS_INLINE void insert_in_lanes(Vec* v, Vec* id, Vec x, Vec x_id, int filled = K) {
-  typename Vec::Mask beats[K];
+  typename Vec::LaneMask beats[K];
   for (int j = 0; j < K; ++j) {
-    beats[j] = j < filled ? Vec::cmp_gt(x, v[j]) : Vec::tail_mask(W);
+    beats[j] = j < filled ? Vec::lanes_gt(x, v[j]) : Vec::lane_mask(Vec::tail_mask(W));
   }
   // The slots are sorted, so a lane where x beats slot j - 1 beats slot j too: there slot
   // j takes slot j - 1's value, where x beats slot j only, x.
   for (int j = K - 1; j > 0; --j) {
-    v[j] = Vec::select(beats[j - 1], v[j - 1], Vec::select(beats[j], x, v[j]));
-    id[j] = Vec::select(beats[j - 1], id[j - 1], Vec::select(beats[j], x_id, id[j]));
+    v[j] = Vec::blend(beats[j - 1], v[j - 1], Vec::blend(beats[j], x, v[j]));
+    id[j] = Vec::blend(beats[j - 1], id[j - 1], Vec::blend(beats[j], x_id, id[j]));
   }
-  v[0] = Vec::select(beats[0], x, v[0]);
-  id[0] = Vec::select(beats[0], x_id, id[0]);
+  v[0] = Vec::blend(beats[0], x, v[0]);
+  id[0] = Vec::blend(beats[0], x_id, id[0]);
 }
 
 // The experts offered to the slots, counted so that the first K fill them.
@@ -1044,17 +1082,17 @@ MOEEXT_ALWAYS_INLINE void write_lane_outputs(const BiasedGroupedTopkParams& p, i
 template <int kGroups, int K>
 MOEEXT_ALWAYS_INLINE void offer_kept_groups(
     const float* b, int64_t num_groups_at_run_time, int64_t group_size, int64_t topk_group,
-    const typename Vec::Mask (*keeps)[kLaneMaxGroups], LaneSlots<K>& slots) {
+    const typename Vec::LaneMask (*keeps)[kLaneMaxGroups], LaneSlots<K>& slots) {
   const int64_t num_groups = kGroups > 0 ? kGroups : num_groups_at_run_time;
   for (int64_t q = 0; q < topk_group; ++q) {
     Vec x_id = Vec::set1(0.0f);  // the group's first expert
     for (int64_t g = 1; g < num_groups; ++g) {
-      x_id = Vec::select(keeps[q][g], Vec::set1(float(g * group_size)), x_id);
+      x_id = Vec::blend(keeps[q][g], Vec::set1(float(g * group_size)), x_id);
     }
     for (int64_t i = 0; i < group_size; ++i) {
       Vec x = Vec::load(b + i * W);
       for (int64_t g = 1; g < num_groups; ++g) {
-        x = Vec::select(keeps[q][g], Vec::load(b + (g * group_size + i) * W), x);
+        x = Vec::blend(keeps[q][g], Vec::load(b + (g * group_size + i) * W), x);
       }
       slots.offer(x, x_id);
       x_id = x_id + Vec::set1(1.0f);
@@ -1068,6 +1106,19 @@ template <ScoringFunc kScore, typename LogitT>
 MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_experts,
                                             float* scores, int64_t vector_stride) {
   if constexpr (kScore == ScoringFunc::kSoftmax) {
+    // Rows longer than the registers hold (on AVX2 past 64 experts; AVX-512's hold all 256).
+    if constexpr (kMaxSoftmaxVecs * W < kLaneMaxExperts) {
+      if (num_experts > kMaxSoftmaxVecs * W) {
+        const Vec inverse =
+            Vec::set1(1.0f / softmax_exps_in_passes(logits, num_experts, scores, vector_stride));
+        for (int64_t e = 0; e < num_experts; e += W) {
+          const auto m = Vec::tail_mask(num_experts - e);
+          float* const at = scores + e / W * vector_stride;
+          (Vec::load(at, m, 0.0f) * inverse).store(at);  // zeros past the row, as in registers
+        }
+        return;
+      }
+    }
     kSoftmaxRows<LogitT>[(num_experts + W - 1) / W - 1](logits, num_experts, scores,
                                                          vector_stride);
   } else {
@@ -1077,8 +1128,8 @@ MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_ex
   }
 }
 
-// Rows [t0, t0 + W), K = topk. V is Vec, a parameter so that the layers this path does not
-// run on (AVX2, scalar) need no transpose: only the AVX-512 copy instantiates this.
+// Rows [t0, t0 + W), K = topk. V is Vec, a parameter so that the layer this path does not
+// run on (scalar) needs no transpose.
 template <ScoringFunc kScore, int K, typename LogitT, typename BiasT, typename V = Vec>
 void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t t0,
                       const GroupedTopkWorkspace& ws) {
@@ -1111,6 +1162,12 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
   }
 
   LaneSlots<K> slots;
+  if constexpr (W < kLaneRows) {
+    // The first offers blend x over the empty slots, which a blendv reads even by a constant
+    // mask: zeros there, not uninitialised registers. (AVX-512's mask blends read them too;
+    // zeroing there moved the registers of every lane function, untimed on AVX-512 so far.)
+    for (int j = 0; j < K; ++j) slots.v[j] = slots.id[j] = Vec::set1(0.0f);
+  }
   if (topk_group == num_groups) {
     // Step 4 over every expert, b = s + bias as store_biased computes it.
     Vec x_id = Vec::set1(0.0f);
@@ -1134,7 +1191,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
       group_score[g] = m;
     }
     // keeps[q][g]: the lanes whose q-th kept group (in group order) is g.
-    typename Vec::Mask keeps[kLaneMaxGroups][kLaneMaxGroups];
+    typename Vec::LaneMask keeps[kLaneMaxGroups][kLaneMaxGroups];
     Vec kept_before = Vec::set1(0.0f);
     for (int64_t g = 0; g < num_groups; ++g) {
       Vec beaten_by = Vec::set1(0.0f);
@@ -1146,7 +1203,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
       }
       const auto kept = Vec::cmp_lt(beaten_by, Vec::set1(float(topk_group)));
       for (int64_t q = 0; q < topk_group; ++q) {
-        keeps[q][g] = kept & Vec::cmp_eq(kept_before, Vec::set1(float(q)));
+        keeps[q][g] = Vec::lane_mask(kept & Vec::cmp_eq(kept_before, Vec::set1(float(q))));
       }
       kept_before = Vec::count_true(kept_before, kept);
     }
@@ -1199,7 +1256,7 @@ void route_lane_blocks(const BiasedGroupedTopkParams& p, const BiasT* bias, int6
 // (topk + 2)-th b~ lie within the margin (0.3% of DeepSeek-V4-pro's rows in the benchmark).
 constexpr int kApproxLaneSlots = 8;
 constexpr int64_t kApproxLaneMaxTopk = kApproxLaneSlots - 2;
-static_assert(!kRowsInLanes || kApproxLaneMaxTopk <= kLaneMaxK,
+static_assert(!kApproxRowsInLanes || kApproxLaneMaxTopk <= kLaneMaxK,
               "the floor comes from the lane maxima");
 
 template <ScoringFunc kScore, typename LogitT, typename BiasT, typename V = Vec>
@@ -1325,12 +1382,17 @@ int64_t route_in_lanes(const BiasedGroupedTopkParams& p, const BiasT* bias, int6
                        int64_t row_end, const GroupedTopkWorkspace& ws) {
   if constexpr (kRowsInLanes && kScore != ScoringFunc::kSqrtSoftplus) {
     constexpr bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
-    const bool fits = kScore == ScoringFunc::kSoftmax ? p.num_experts <= kMaxSoftmaxVecs * W
-                                                      : p.num_experts <= kLaneMaxExperts;
+    const bool fits = p.num_experts <= kLaneMaxExperts;
     if (ws.lane_rows == nullptr || !fits || p.gating_col_stride != 1 ||
         p.topk > kLaneMaxTopk || p.num_expert_group > kLaneMaxGroups ||
         (has_bias && p.topk_group != p.num_expert_group)) {
       return row_begin;
+    }
+    if constexpr (W < kLaneRows) {
+      if (p.topk_group == p.num_expert_group &&
+          p.num_experts * p.topk > kLaneMaxOffersAllKept) {
+        return row_begin;
+      }
     }
     const int64_t end = row_begin + (row_end - row_begin) / W * W;
     switch (p.topk) {
@@ -1360,7 +1422,7 @@ void route(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begi
         ws.score_pieces != nullptr) {
       const float margin = approx_margin(bias, p.num_experts);
       if (margin > 0.0f) {
-        if constexpr (kRowsInLanes) {
+        if constexpr (kApproxRowsInLanes) {
           if (ws.lane_rows != nullptr && p.topk <= kApproxLaneMaxTopk &&
               p.num_experts <= kApproxLaneMaxExperts) {
             for (; row_begin + W <= row_end; row_begin += W) {

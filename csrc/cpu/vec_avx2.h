@@ -131,6 +131,12 @@ struct Vec {
     if (m == 0xff) return a;  // folds away for the constant full masks of whole vectors
     return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(lanes(m)))};
   }
+  // Masks as whole lanes, for selects in a loop (the rows in lanes' insertion): a bit set
+  // costs a movemask per compare and three instructions per select to widen it back.
+  using LaneMask = __m256;
+  static LaneMask lane_mask(Mask m) { return _mm256_castsi256_ps(lanes(m)); }
+  static LaneMask lanes_gt(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ); }
+  static Vec blend(LaneMask m, Vec a, Vec b) { return {_mm256_blendv_ps(b.v, a.v, m)}; }
 
   // The approximate score of cpu/score_pieces.h (see vec_avx512.h); a 16-entry lookup is two
   // 8-lane permutes and a blend.
@@ -252,6 +258,27 @@ struct Vec {
     const __m256i to_group = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     first[0].v = _mm256_permutevar8x32_ps(first[0].v, to_group);
     second[0].v = _mm256_permutevar8x32_ps(second[0].v, to_group);
+  }
+
+  // rows[0, 8) transposed in place: lane j of rows[i] becomes lane i of rows[j]. Pairs of
+  // rows interleaved, then pairs of pairs, then the 128-bit halves: 24 shuffles.
+  static void transpose(Vec* rows) {
+    __m256 a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+      a[i] = _mm256_unpacklo_ps(rows[i].v, rows[i + 1].v);
+      a[i + 1] = _mm256_unpackhi_ps(rows[i].v, rows[i + 1].v);
+    }
+    // b[4q + k], half L: rows 4q..4q+3 of column 4L + k.
+    for (int q = 0; q < 2; ++q) {
+      b[4 * q + 0] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
+      b[4 * q + 1] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0xee);
+      b[4 * q + 2] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
+      b[4 * q + 3] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xee);
+    }
+    for (int k = 0; k < 4; ++k) {
+      rows[k].v = _mm256_permute2f128_ps(b[k], b[4 + k], 0x20);
+      rows[4 + k].v = _mm256_permute2f128_ps(b[k], b[4 + k], 0x31);
+    }
   }
 
   // The k-th largest (1 <= k <= 8 * n) of the 8 * n values of v[0, n), n = 1, 2 or 4, none

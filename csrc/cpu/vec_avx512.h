@@ -95,6 +95,11 @@ struct Vec {
   static Mask cmp_eq(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
   static Mask is_nan(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
   static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }
+  // Masks as selects take them (vec_avx2.h widens its bit sets into lanes): here the same.
+  using LaneMask = Mask;
+  static LaneMask lane_mask(Mask m) { return m; }
+  static LaneMask lanes_gt(Vec a, Vec b) { return cmp_gt(a, b); }
+  static Vec blend(LaneMask m, Vec a, Vec b) { return select(m, a, b); }
 
   // The approximate score of cpu/score_pieces.h: with t = x * kPieceScale + kPieceOffset, the
   // cubic of piece floor(t) at u = t - floor(t), each coefficient looked up by one permute.

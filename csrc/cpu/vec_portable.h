@@ -175,6 +175,11 @@ struct Vec {
     return {portable_detail::lanes4(m, 0) ? a.lo : b.lo,
             portable_detail::lanes4(m, 4) ? a.hi : b.hi};
   }
+  // Masks as selects take them (vec_avx2.h widens its bit sets into lanes): here bit sets.
+  using LaneMask = Mask;
+  MOEEXT_ALWAYS_INLINE static LaneMask lane_mask(Mask m) { return m; }
+  MOEEXT_ALWAYS_INLINE static LaneMask lanes_gt(Vec a, Vec b) { return cmp_gt(a, b); }
+  MOEEXT_ALWAYS_INLINE static Vec blend(LaneMask m, Vec a, Vec b) { return select(m, a, b); }
 
   // The approximate score of cpu/score_pieces.h. The pieces are looked up lane by lane: a
   // generic vector type has no variable permute that compiles well on both NEON and SSE2.
