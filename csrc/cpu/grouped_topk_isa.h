@@ -16,8 +16,9 @@ struct ExpertRange {
 // Candidates the sorting path of the expert selection ranks at most; rows with more (ties,
 // or topk beyond 32) take the insertion path.
 constexpr int64_t kMaxCandidates = 64;
-// Rows in lanes (cpu/grouped_topk.cpp): rows per block, the widest vector's lanes, and the
-// largest router it takes (the rows' scores then stay in the stack workspace).
+// Rows in lanes (cpu/grouped_topk.cpp): the most rows per block (the widest vector's lanes;
+// AVX2 blocks take 8), and the largest router it takes (the rows' scores then stay in the
+// stack workspace).
 constexpr int64_t kLaneRows = 16;
 constexpr int64_t kLaneMaxExperts = 256;
 // The candidate pass (sqrt-softplus) takes rows in lanes for routers of up to this many experts.
