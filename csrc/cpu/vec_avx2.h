@@ -121,6 +121,17 @@ struct Vec {
                                    pow2(_mm256_sub_epi32(total, half)));
     return {_mm256_blendv_ps(r, n.v, _mm256_cmp_ps(n.v, n.v, _CMP_UNORD_Q))};
   }
+  // For integral n in [-126, 127] 2^n is one normal number: one power of two and one product,
+  // the same single rounding as scalef's. vec_math.h takes it where every lane allows.
+  static constexpr bool kHasScalef = false;
+  static Vec scalef_normal(Vec a, Vec n) {
+    return {_mm256_mul_ps(a.v, pow2(_mm256_cvtps_epi32(n.v)))};
+  }
+  // Whether |a| <= bound in every lane (a NaN lane: no).
+  static bool all_abs_le(Vec a, float bound) {
+    const __m256 abs = _mm256_and_ps(a.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    return _mm256_movemask_ps(_mm256_cmp_ps(abs, _mm256_set1_ps(bound), _CMP_LE_OQ)) == 0xff;
+  }
 
   static Mask cmp_gt(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
   static Mask cmp_ge(Vec a, Vec b) { return bits(_mm256_cmp_ps(a.v, b.v, _CMP_GE_OQ)); }

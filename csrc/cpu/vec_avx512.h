@@ -88,6 +88,7 @@ struct Vec {
     return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
   }
   static Vec scalef(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+  static constexpr bool kHasScalef = true;
 
   static Mask cmp_gt(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
   static Mask cmp_ge(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ); }

@@ -163,6 +163,17 @@ struct Vec {
   MOEEXT_ALWAYS_INLINE static Vec scalef(Vec a, Vec n) {
     return {scalef4(a.lo, n.lo), scalef4(a.hi, n.hi)};
   }
+  // vec_avx2.h's shortcut for n in [-126, 127]: one power of two, the same single rounding.
+  static constexpr bool kHasScalef = false;
+  MOEEXT_ALWAYS_INLINE static Vec scalef_normal(Vec a, Vec n) {
+    return {a.lo * pow2_4(__builtin_convertvector(n.lo, I4)),
+            a.hi * pow2_4(__builtin_convertvector(n.hi, I4))};
+  }
+  MOEEXT_ALWAYS_INLINE static bool all_abs_le(Vec a, float bound) {
+    const F4 hi = portable_detail::splat(bound);
+    const F4 lo = portable_detail::splat(-bound);
+    return bits((a.lo <= hi) & (a.lo >= lo), (a.hi <= hi) & (a.hi >= lo)) == 0xff;
+  }
 
   MOEEXT_ALWAYS_INLINE static Mask cmp_gt(Vec a, Vec b) { return bits(a.lo > b.lo, a.hi > b.hi); }
   MOEEXT_ALWAYS_INLINE static Mask cmp_ge(Vec a, Vec b) { return bits(a.lo >= b.lo, a.hi >= b.hi); }
@@ -334,12 +345,15 @@ struct Vec {
     return Mask(x[0] | x[1] | x[2] | x[3]);
   }
 
+  // 2^k for k in [-126, 127], built from its exponent field.
+  MOEEXT_ALWAYS_INLINE static F4 pow2_4(I4 k) {
+    return portable_detail::bits_to_f4((k + 127) << 23);
+  }
   MOEEXT_ALWAYS_INLINE static F4 scalef4(F4 a, F4 n) {
-    using portable_detail::bits_to_f4;
     const I4 is_nan = n != n;
     const I4 total = __builtin_convertvector(is_nan ? portable_detail::splat(0.0f) : n, I4);
     const I4 half = total >> 1;
-    const F4 r = a * bits_to_f4((half + 127) << 23) * bits_to_f4((total - half + 127) << 23);
+    const F4 r = a * pow2_4(half) * pow2_4(total - half);
     return is_nan ? n : r;
   }
 

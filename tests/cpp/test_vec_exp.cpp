@@ -6,7 +6,10 @@
 // - vexp_neg, the sigmoid's exp(-x) with the negation folded into the range reduction, is
 //   vexp(0 - x) bit for bit, so the sigmoid scores are those of the plain formulation;
 // - vexp_nonpositive, softmax's exp without the upper clamp, is vexp bit for bit wherever
-//   x <= 0 or x is NaN.
+//   x <= 0 or x is NaN;
+// - vexp is vexp_clamped of the clamped x bit for bit: where |x| <= 87 the layers without a
+//   scalef instruction form 2^n as one power of two, and must give scalef's bits. (The
+//   other two follow, being vexp's bits.)
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -23,6 +26,7 @@ using moeext::cpu::bits_to_float;
 using moeext::cpu::float_to_bits;
 using moeext::cpu::scalar::Vec;
 using moeext::cpu::scalar::vexp;
+using moeext::cpu::scalar::vexp_clamped;
 using moeext::cpu::scalar::vexp_neg;
 using moeext::cpu::scalar::vexp_nonpositive;
 
@@ -55,6 +59,15 @@ void check_exp(float x) {
   }
 }
 
+void check_exp_scaling(float x) {
+  const Vec clamped = Vec::min(Vec::set1(89.0f), Vec::max(Vec::set1(-104.0f), Vec::set1(x)));
+  const float got = lane0(vexp(Vec::set1(x)));
+  const float want = lane0(vexp_clamped(clamped));
+  CHECK(float_to_bits(got) == float_to_bits(want),
+        "vexp(%.9g) (%08x) = %.9g (%08x), through scalef %.9g (%08x)", double(x),
+        float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
+}
+
 void check_exp_neg(float x) {
   const float got = lane0(vexp_neg(Vec::set1(x)));
   const float want = lane0(vexp(Vec::set1(0.0f) - Vec::set1(x)));
@@ -83,6 +96,7 @@ void check_exp_nonpositive(float x) {
 
 void check(float x) {
   check_exp(x);
+  check_exp_scaling(x);
   check_exp_neg(x);
   check_exp_nonpositive(x);
 }
@@ -94,7 +108,8 @@ int main() {
   for (float x : {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(),
                   std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
                   std::numeric_limits<float>::denorm_min(), 88.0f, 88.7f, 88.8f, 89.0f, 104.0f,
-                  105.0f, -87.0f, -88.0f, -89.0f, -104.0f, -105.0f}) {
+                  105.0f, 87.0f, 87.00001f, -87.0f, -87.00001f, -88.0f, -89.0f, -104.0f,
+                  -105.0f}) {
     check(x);
   }
   for (uint32_t hi = 0; hi < 0x10000u; ++hi) check(bits_to_float(hi << 16));
