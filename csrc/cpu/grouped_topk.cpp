@@ -1128,6 +1128,56 @@ MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_ex
   }
 }
 
+// Softmax rows longer than the registers hold (AVX2 past 64 experts) are scored in lanes,
+// the W rows side by side after the tiles' transpose. Row by row, each row was one chain of
+// three passes joined by horizontal steps (its maximum; its sum and one divide), which the
+// next row could not overlap; in lanes the W chains run as one (DeepSeek-V2 rows 0.86x the
+// time on Zen 3, see softmax_lanewise for why the outputs stay the row path's).
+template <ScoringFunc kScore>
+constexpr bool kSoftmaxInLanes =
+    kRowsInLanes && kScore == ScoringFunc::kSoftmax && kMaxSoftmaxVecs * W < kLaneMaxExperts;
+
+// The softmax of each lane's row, over the logits x at lanes + e * W for e < num_experts, in
+// place: s, or b = max(s, -inf) without a bias, as route_lane_block stores them. The
+// operations are softmax_exps_in_passes' and the scaling's, in their order: lane j of the
+// row pass's vector sum adds the exps of experts e = j mod W in index order, as sum[j] does
+// here, and reduce_add_lanewise adds those W sums as reduce_add adds a vector's lanes. Only
+// the maximum may come out differently, where the row holds a NaN that makes its sum, and
+// so every score, NaN on either path. V is Vec, a parameter as in route_lane_block: only the
+// layer this runs on (AVX2) has reduce_add_lanewise.
+template <typename V, bool kHasBias>
+MOEEXT_ALWAYS_INLINE void softmax_lanewise(float* lanes, int64_t num_experts) {
+  Vec row_max = Vec::set1(kNegInf);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    row_max = Vec::max(row_max, Vec::load(lanes + e * W));
+  }
+  Vec sum[W];
+  for (int j = 0; j < W; ++j) sum[j] = Vec::set1(0.0f);
+  int64_t e = 0;
+  for (; e + W <= num_experts; e += W) {
+#pragma GCC unroll 16
+    for (int j = 0; j < W; ++j) {
+      const Vec ex = vexp_nonpositive(Vec::load(lanes + (e + j) * W) - row_max);
+      sum[j] = sum[j] + ex;
+      ex.store(lanes + (e + j) * W);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < W; ++j) {
+    if (e + j < num_experts) {
+      const Vec ex = vexp_nonpositive(Vec::load(lanes + (e + j) * W) - row_max);
+      sum[j] = sum[j] + ex;
+      ex.store(lanes + (e + j) * W);
+    }
+  }
+  const Vec inverse = Vec::set1(1.0f) / V::reduce_add_lanewise(sum);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    Vec s = Vec::load(lanes + e * W) * inverse;
+    if constexpr (!kHasBias) s = Vec::max(s, Vec::set1(kNegInf));  // NaN gives -inf
+    s.store(lanes + e * W);
+  }
+}
+
 // Rows [t0, t0 + W), K = topk. V is Vec, a parameter so that the layer this path does not
 // run on (scalar) needs no transpose.
 template <ScoringFunc kScore, int K, typename LogitT, typename BiasT, typename V = Vec>
@@ -1146,9 +1196,19 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
   // transposed in place, leaves expert e's scores of the W rows at lanes + e * W. Without a
   // bias, b (s with NaN as -inf) takes their place: only the weights need s, and there a NaN
   // score (b = -inf) weighs 0.
-  for (int64_t r = 0; r < W; ++r) {
-    score_row_strided<kScore>(logits + r * p.gating_row_stride, num_experts, lanes + r * W,
-                              W * W);
+  // Softmax rows that the registers do not hold are scored after the transpose, in lanes.
+  const bool scored = !(kSoftmaxInLanes<kScore> && num_experts > kMaxSoftmaxVecs * W);
+  if (!scored) {
+    for (int64_t r = 0; r < W; ++r) {
+      for_each_vector(0, num_experts, [&](int64_t e, typename Vec::Mask m) {
+        Vec::load(logits + r * p.gating_row_stride + e, m, kNegInf).store(lanes + (e + r) * W);
+      });
+    }
+  } else {
+    for (int64_t r = 0; r < W; ++r) {
+      score_row_strided<kScore>(logits + r * p.gating_row_stride, num_experts, lanes + r * W,
+                                W * W);
+    }
   }
   for (int64_t i = 0; i < num_vecs; ++i) {
     float* const tile = lanes + i * W * W;
@@ -1156,9 +1216,12 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     for (int64_t r = 0; r < W; ++r) rows[r] = Vec::load(tile + r * W);
     V::transpose(rows);
     for (int64_t l = 0; l < W; ++l) {
-      if (!has_bias) rows[l] = Vec::max(rows[l], Vec::set1(kNegInf));  // NaN gives -inf
+      if (!has_bias && scored) rows[l] = Vec::max(rows[l], Vec::set1(kNegInf));  // NaN: -inf
       rows[l].store(tile + l * W);
     }
+  }
+  if constexpr (kSoftmaxInLanes<kScore>) {
+    if (!scored) softmax_lanewise<V, has_bias>(lanes, num_experts);
   }
 
   LaneSlots<K> slots;

@@ -195,6 +195,11 @@ struct Vec {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   }
+  // reduce_add lane by lane: lane r of the result is reduce_add of the vector whose lane j is
+  // lane r of a[j], in reduce_add's order of additions.
+  static Vec reduce_add_lanewise(const Vec* a) {
+    return (a[0] + a[4] + (a[2] + a[6])) + (a[1] + a[5] + (a[3] + a[7]));
+  }
 
   // acc + 1 in the lanes of m: a rank counter held in fp32 lanes.
   static Vec count_true(Vec acc, Mask m) {
