@@ -156,34 +156,6 @@ constexpr int kMaxSoftmaxVecs = W == 16 ? 16 : W == 8 ? 8 : 0;
 template <typename LogitT>
 using SoftmaxFn = bool (*)(const LogitT*, int64_t, float*, int64_t);
 
-// Longer rows: the maximum and the exps in two passes over scores (vector i at scores + i *
-// vector_stride); returns the exps' sum. The same operations in the same order as
-// softmax_in_registers; a NaN the maximum misses still makes the sum NaN (see there).
-// score_row keeps its own copy: calling this one there changed the AVX-512 object's softmax
-// functions (GCC inlined route_rows differently), which no AVX-512 machine has timed since.
-template <typename LogitT>
-MOEEXT_ALWAYS_INLINE float softmax_exps_in_passes(const LogitT* logits, int64_t num_experts,
-                                                  float* scores, int64_t vector_stride) {
-  Vec row_max = Vec::set1(kNegInf);
-  for (int64_t e = 0; e < num_experts; e += W) {
-    const auto m = Vec::tail_mask(num_experts - e);
-    const Vec x = Vec::load(logits + e, m, kNegInf);
-    row_max = Vec::max(row_max, x);
-    x.store(scores + e / W * vector_stride, m);
-  }
-  const Vec shift = Vec::set1(Vec::reduce_max(row_max));
-  Vec sum = Vec::set1(0.0f);
-  for (int64_t e = 0; e < num_experts; e += W) {
-    const auto m = Vec::tail_mask(num_experts - e);
-    float* const at = scores + e / W * vector_stride;
-    const Vec ex = Vec::select(m, vexp_nonpositive(Vec::load(at, m, kNegInf) - shift),
-                               Vec::set1(0.0f));
-    sum = sum + ex;
-    ex.store(at, m);
-  }
-  return Vec::reduce_add(sum);
-}
-
 template <typename LogitT, int... I>
 constexpr std::array<SoftmaxFn<LogitT>, sizeof...(I)> softmax_table(
     std::integer_sequence<int, I...>) {
@@ -1106,19 +1078,9 @@ template <ScoringFunc kScore, typename LogitT>
 MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_experts,
                                             float* scores, int64_t vector_stride) {
   if constexpr (kScore == ScoringFunc::kSoftmax) {
-    // Rows longer than the registers hold (on AVX2 past 64 experts; AVX-512's hold all 256).
-    if constexpr (kMaxSoftmaxVecs * W < kLaneMaxExperts) {
-      if (num_experts > kMaxSoftmaxVecs * W) {
-        const Vec inverse =
-            Vec::set1(1.0f / softmax_exps_in_passes(logits, num_experts, scores, vector_stride));
-        for (int64_t e = 0; e < num_experts; e += W) {
-          const auto m = Vec::tail_mask(num_experts - e);
-          float* const at = scores + e / W * vector_stride;
-          (Vec::load(at, m, 0.0f) * inverse).store(at);  // zeros past the row, as in registers
-        }
-        return;
-      }
-    }
+    // AVX-512's registers hold rows of all kLaneMaxExperts; AVX2 scores softmax rows in lanes.
+    static_assert(kScore != ScoringFunc::kSoftmax || kMaxSoftmaxVecs * W >= kLaneMaxExperts,
+                  "see kSoftmaxInLanes");
     kSoftmaxRows<LogitT>[(num_experts + W - 1) / W - 1](logits, num_experts, scores,
                                                          vector_stride);
   } else {
@@ -1128,18 +1090,18 @@ MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_ex
   }
 }
 
-// Softmax rows longer than the registers hold (AVX2 past 64 experts) are scored in lanes,
-// the W rows side by side after the tiles' transpose. Row by row, each row was one chain of
-// three passes joined by horizontal steps (its maximum; its sum and one divide), which the
-// next row could not overlap; in lanes the W chains run as one (DeepSeek-V2 rows 0.86x the
-// time on Zen 3, see softmax_lanewise for why the outputs stay the row path's).
+// Softmax rows are scored in lanes on AVX2, the W rows side by side after the tiles'
+// transpose. Row by row, each row was one chain of passes joined by horizontal steps (its
+// maximum; its sum and one divide), which the next row could not overlap; in lanes the W
+// chains run as one. On Zen 3, one thread: DeepSeek-V2 rows 0.86-0.90x the time, E = 60 topk
+// 4 0.65x, E = 8 topk 2 0.74x, E = 64 topk 6 0.96x (softmax_lanewise says why the outputs
+// stay the row path's). AVX-512, untimed since, keeps the row functions.
 template <ScoringFunc kScore>
-constexpr bool kSoftmaxInLanes =
-    kRowsInLanes && kScore == ScoringFunc::kSoftmax && kMaxSoftmaxVecs * W < kLaneMaxExperts;
+constexpr bool kSoftmaxInLanes = kRowsInLanes && W < kLaneRows && kScore == ScoringFunc::kSoftmax;
 
 // The softmax of each lane's row, over the logits x at lanes + e * W for e < num_experts, in
 // place: s, or b = max(s, -inf) without a bias, as route_lane_block stores them. The
-// operations are softmax_exps_in_passes' and the scaling's, in their order: lane j of the
+// operations are softmax_in_registers' and score_row's, in their order: lane j of the
 // row pass's vector sum adds the exps of experts e = j mod W in index order, as sum[j] does
 // here, and reduce_add_lanewise adds those W sums as reduce_add adds a vector's lanes. Only
 // the maximum may come out differently, where the row holds a NaN that makes its sum, and
@@ -1196,9 +1158,9 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
   // transposed in place, leaves expert e's scores of the W rows at lanes + e * W. Without a
   // bias, b (s with NaN as -inf) takes their place: only the weights need s, and there a NaN
   // score (b = -inf) weighs 0.
-  // Softmax rows that the registers do not hold are scored after the transpose, in lanes.
-  const bool scored = !(kSoftmaxInLanes<kScore> && num_experts > kMaxSoftmaxVecs * W);
-  if (!scored) {
+  // Softmax rows on AVX2 are scored after the transpose, in lanes.
+  constexpr bool scored = !kSoftmaxInLanes<kScore>;
+  if constexpr (!scored) {
     for (int64_t r = 0; r < W; ++r) {
       for_each_vector(0, num_experts, [&](int64_t e, typename Vec::Mask m) {
         Vec::load(logits + r * p.gating_row_stride + e, m, kNegInf).store(lanes + (e + r) * W);
@@ -1220,9 +1182,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
       rows[l].store(tile + l * W);
     }
   }
-  if constexpr (kSoftmaxInLanes<kScore>) {
-    if (!scored) softmax_lanewise<V, has_bias>(lanes, num_experts);
-  }
+  if constexpr (!scored) softmax_lanewise<V, has_bias>(lanes, num_experts);
 
   LaneSlots<K> slots;
   if constexpr (W < kLaneRows) {
