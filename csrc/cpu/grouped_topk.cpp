@@ -1115,22 +1115,21 @@ MOEEXT_ALWAYS_INLINE void softmax_lanewise(float* lanes, int64_t num_experts) {
   }
   Vec sum[W];
   for (int j = 0; j < W; ++j) sum[j] = Vec::set1(0.0f);
+  // Expert e's exp, added to sum[j] (j = e mod W, a constant in the unrolled loops below).
+  // Forced inline: as a plain lambda it moved GCC's inlining elsewhere in the AVX2 copy.
+  auto add_exp = [&](int64_t e, int j) __attribute__((always_inline)) {
+    const Vec ex = vexp_nonpositive(Vec::load(lanes + e * W) - row_max);
+    sum[j] = sum[j] + ex;
+    ex.store(lanes + e * W);
+  };
   int64_t e = 0;
   for (; e + W <= num_experts; e += W) {
 #pragma GCC unroll 16
-    for (int j = 0; j < W; ++j) {
-      const Vec ex = vexp_nonpositive(Vec::load(lanes + (e + j) * W) - row_max);
-      sum[j] = sum[j] + ex;
-      ex.store(lanes + (e + j) * W);
-    }
+    for (int j = 0; j < W; ++j) add_exp(e + j, j);
   }
 #pragma GCC unroll 16
   for (int j = 0; j < W; ++j) {
-    if (e + j < num_experts) {
-      const Vec ex = vexp_nonpositive(Vec::load(lanes + (e + j) * W) - row_max);
-      sum[j] = sum[j] + ex;
-      ex.store(lanes + (e + j) * W);
-    }
+    if (e + j < num_experts) add_exp(e + j, j);
   }
   const Vec inverse = Vec::set1(1.0f) / V::reduce_add_lanewise(sum);
   for (int64_t e = 0; e < num_experts; ++e) {
