@@ -299,9 +299,9 @@ MOEEXT_ALWAYS_INLINE void rank_values(const float* values, int64_t n, Vec* rank,
       const int64_t later_from = j - jq * W + 1;  // lanes of j's vector after j
       for (int64_t q = 0; q < kVecs; ++q) {
         if (q < jq) {
-          rank[q] = Vec::count_true(rank[q], Vec::cmp_gt(vj, v[q]));
+          rank[q] = Vec::count_gt(rank[q], vj, v[q]);
         } else if (q > jq) {
-          rank[q] = Vec::count_true(rank[q], Vec::cmp_ge(vj, v[q]));
+          rank[q] = Vec::count_ge(rank[q], vj, v[q]);
         } else {
           rank[q] = Vec::count_beaten(rank[q], vj, v[q],
                                       typename Vec::Mask(~uint64_t(0) << later_from),

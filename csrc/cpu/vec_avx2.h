@@ -206,6 +206,17 @@ struct Vec {
     return {_mm256_add_ps(acc.v, _mm256_and_ps(_mm256_castsi256_ps(lanes(m)),
                                                _mm256_set1_ps(1.0f)))};
   }
+  // acc + 1 in the lanes where a > b (count_gt) or a >= b (count_ge), from the compare's lanes:
+  // through count_true's bit set, a count took 7 instructions instead of 3, and the ranking
+  // of Nemotron-style rows' candidates (22 of 512 experts) 1.05x the time.
+  static Vec count_gt(Vec acc, Vec a, Vec b) {
+    return {_mm256_add_ps(acc.v, _mm256_and_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ),
+                                               _mm256_set1_ps(1.0f)))};
+  }
+  static Vec count_ge(Vec acc, Vec a, Vec b) {
+    return {_mm256_add_ps(acc.v, _mm256_and_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GE_OQ),
+                                               _mm256_set1_ps(1.0f)))};
+  }
 
   // acc + 1 in the lanes that vj beats: larger than v, or equal and after vj's position
   // (the lanes of `later`, which are lanes later_from.. of this vector; a layer uses

@@ -141,6 +141,16 @@ struct Vec {
   static Vec count_true(Vec acc, Mask m) {
     return {_mm512_mask_add_ps(acc.v, m, acc.v, _mm512_set1_ps(1.0f))};
   }
+  // acc + 1 in the lanes where a > b (count_gt) or a >= b (count_ge): count_true's masked add,
+  // written out (as count_true(acc, cmp_gt(a, b)) GCC inlined the copy differently).
+  static Vec count_gt(Vec acc, Vec a, Vec b) {
+    return {_mm512_mask_add_ps(acc.v, _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), acc.v,
+                               _mm512_set1_ps(1.0f))};
+  }
+  static Vec count_ge(Vec acc, Vec a, Vec b) {
+    return {_mm512_mask_add_ps(acc.v, _mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ), acc.v,
+                               _mm512_set1_ps(1.0f))};
+  }
 
   // acc + 1 in the lanes that vj beats: larger than v, or equal and after vj's position
   // (the lanes of `later`, which are lanes later_from.. of this vector; a layer uses

@@ -228,6 +228,13 @@ struct Vec {
     using portable_detail::ones4;
     return {acc.lo + ones4(lanes4(m, 0)), acc.hi + ones4(lanes4(m, 4))};
   }
+  // acc + 1 in the lanes where a > b (count_gt) or a >= b (count_ge).
+  MOEEXT_ALWAYS_INLINE static Vec count_gt(Vec acc, Vec a, Vec b) {
+    return count_true(acc, cmp_gt(a, b));
+  }
+  MOEEXT_ALWAYS_INLINE static Vec count_ge(Vec acc, Vec a, Vec b) {
+    return count_true(acc, cmp_ge(a, b));
+  }
   // acc + 1 in the lanes that vj beats: larger than v, or equal and after vj's position
   // (the lanes of `later`, which are lanes later_from.. of this vector; a layer uses
   // whichever form it computes faster). All in vector compares, as on AVX2.
