@@ -335,9 +335,10 @@ struct ChooseRanked {
   }
 };
 
-// Op<kVecs>::run(args...) for n ranked values past 3 vectors, kVecs on: the 8-lane layers'
-// 4 to 8. Padded to 8 vectors, Nemotron-style rows (22 of 512 experts, about 28 candidates)
-// ranked twice the lanes they hold: AVX2 rows took 0.81x the time at the count's own.
+// with_rank_vecs past three vectors: the least of kVecs..kMaxRankVecs vectors that covers n
+// (4 to 8 on the 8-lane layers, 4 on AVX-512). Padded to 8 vectors, Nemotron-style rows (22
+// of 512 experts, about 28 candidates) ranked twice the lanes they hold: AVX2 rows took 0.81x
+// the time at their own count.
 template <template <int64_t> class Op, int64_t kVecs, typename... Args>
 MOEEXT_ALWAYS_INLINE auto with_rank_vecs_from(int64_t n, Args... args) {
   if constexpr (kVecs < kMaxRankVecs) {
