@@ -1020,6 +1020,11 @@ template <int K>
 struct LaneSlots {
   Vec v[K], id[K];
   int offered = 0;
+  // The first offers blend x over the empty slots, and the blends read them (a blendv even by
+  // a constant mask): zeros there, not uninitialised registers.
+  LaneSlots() {
+    for (int j = 0; j < K; ++j) v[j] = id[j] = Vec::set1(0.0f);
+  }
   MOEEXT_ALWAYS_INLINE void offer(Vec x, Vec x_id) {
     if (offered < K) {
       insert_in_lanes<K>(v, id, x, x_id, offered++);
@@ -1196,12 +1201,6 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
   if constexpr (!scored) softmax_lanewise<V, has_bias>(lanes, num_experts);
 
   LaneSlots<K> slots;
-  if constexpr (W < kLaneRows) {
-    // The first offers blend x over the empty slots, which a blendv reads even by a constant
-    // mask: zeros there, not uninitialised registers. (AVX-512's mask blends read them too;
-    // zeroing there moved the registers of every lane function, untimed on AVX-512 so far.)
-    for (int j = 0; j < K; ++j) slots.v[j] = slots.id[j] = Vec::set1(0.0f);
-  }
   if (topk_group == num_groups) {
     // Step 4 over every expert, b = s + bias as store_biased computes it.
     Vec x_id = Vec::set1(0.0f);
