@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CPU instruction-set paths this machine cannot run, on a lent machine that can: the H100
 # machine lent on 2026-11-26 had an Intel Xeon with AVX-512 and AVX512-BF16, while the CPU VMs
-# that build and test moeext (and CI's) have often been AVX2-only, where every avx512 and
-# avx512bf16 parametrisation of the tests skips. On a machine with a torch (CUDA or CPU build):
+# that build and test moeext have often been AVX2-only, where every avx512 and avx512bf16
+# parametrisation of the tests skips. On a machine with a torch (CUDA or CPU build):
 #   1. prints the CPU and the AVX-512 features it has, and stops if it has none;
 #   2. builds moeext in place for the CPU only, with every instruction set;
 #   3. runs the CPU tests that PYTEST_K selects (default: the avx512 and avx512bf16
