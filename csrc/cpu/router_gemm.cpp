@@ -17,9 +17,12 @@
 //               by 16, the odd ones the lanes with the low half cleared; both operands split
 //               the same way, so two FMAs cover 32 elements with no permutation.
 //   avx2        the same at 16 elements per step, in 16 ymm registers (smaller tiles).
-//   scalar      one element at a time.
-// fp16 and fp32 inputs widen to fp32 (vcvtph2ps) and use FMAs on the vector paths. Products of
-// two bf16 or two fp16 values are exact in fp32; only the accumulation rounds.
+//   scalar      the portable path (aarch64, x86-64 without AVX2): four fp32 lanes in the
+//               compiler's generic vectors (cpu/vec_portable.h), bf16 split by shifting
+//               as above, 8 elements per step.
+// fp16 and fp32 inputs widen to fp32 (vcvtph2ps; fp16_to_f4 on the portable path) and use
+// FMAs, which the portable path fuses where the target has them (madd4). Products of two bf16
+// or two fp16 values are exact in fp32; only the accumulation rounds.
 // GCC 12's AVX-512 headers start shifts and extracts from a self-initialised "undefined"
 // vector and then warn about it once inlined (GCC bug 105593, fixed in 12.3).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -40,36 +43,101 @@
 #include "cpu/router_gemm_isa.h"
 #include "cpu/types.h"
 
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) != MOEEXT_ISA_scalar
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#include "cpu/vec_portable.h"
+#else
 #include <immintrin.h>
 #endif
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
 
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
-
-template <typename T>
-struct Dot {
-  static constexpr int kStep = 1;
-  using Acc = float;
-  using Operand = float;
-  static Acc zero() { return 0.0f; }
-  static Operand load(const T* p) { return to_float(*p); }
-  static Operand load_tail(const T* p, int64_t /*n >= 1*/) { return to_float(*p); }
-  static void madd(Acc& acc, Operand x, Operand w) { acc += x * w; }
-  static float reduce(Acc acc) { return acc; }
-};
-
-#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
-
-// AVX2 has no 16-bit masked loads: the last partial step reads a zero-padded copy.
+// AVX2 and the portable path have no 16-bit masked loads: the last partial step reads a
+// zero-padded copy of its n < N elements.
 template <typename T, int N>
 inline const T* zero_padded(const T* p, int64_t n, T (&buffer)[N]) {
   std::memset(buffer, 0, sizeof(buffer));
   std::memcpy(buffer, p, size_t(n) * sizeof(T));
   return buffer;
 }
+
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+
+using portable_detail::F4;
+using portable_detail::U4;
+
+inline F4 load4(const float* p) {
+  F4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// The product is fused where the target has a fused multiply-add (aarch64: one fmla per
+// vector). On x86-64 without FMA, std::fma would be a library call per lane, so the product
+// rounds before the add there.
+MOEEXT_ALWAYS_INLINE F4 madd4(F4 acc, F4 x, F4 w) {
+#if defined(__FP_FAST_FMAF)
+  return portable_detail::fma4(x, w, acc);
+#else
+  return acc + x * w;
+#endif
+}
+inline float reduce4(F4 a) { return (a[0] + a[1]) + (a[2] + a[3]); }
+template <typename T>
+struct Dot;
+
+template <>
+struct Dot<float> {
+  static constexpr int kStep = 4;
+  using Acc = F4;
+  using Operand = F4;
+  static Acc zero() { return F4{}; }
+  static Operand load(const float* p) { return load4(p); }
+  static Operand load_tail(const float* p, int64_t n) {
+    float buffer[kStep];
+    return load(zero_padded(p, n, buffer));
+  }
+  static void madd(Acc& acc, Operand x, Operand w) { acc = madd4(acc, x, w); }
+  static float reduce(Acc acc) { return reduce4(acc); }
+};
+
+template <>
+struct Dot<fp16_t> : Dot<float> {
+  static Operand load(const fp16_t* p) {
+    uint16_t h[kStep];
+    std::memcpy(h, p, sizeof(h));
+    return portable_detail::fp16_to_f4(U4{h[0], h[1], h[2], h[3]});
+  }
+  static Operand load_tail(const fp16_t* p, int64_t n) {
+    fp16_t buffer[kStep];
+    return load(zero_padded(p, n, buffer));
+  }
+};
+
+// bf16 widened by shifting, as on the x86 paths, 8 elements per step.
+template <>
+struct Dot<bf16_t> {
+  static constexpr int kStep = 8;
+  using Acc = F4;
+  struct Operand {
+    F4 even, odd;
+  };
+  static Acc zero() { return F4{}; }
+  static Operand load(const bf16_t* p) {
+    U4 v;
+    std::memcpy(&v, p, sizeof(v));
+    return {portable_detail::bf16_even(v), portable_detail::bf16_odd(v)};
+  }
+  static Operand load_tail(const bf16_t* p, int64_t n) {
+    bf16_t buffer[kStep];
+    return load(zero_padded(p, n, buffer));
+  }
+  static void madd(Acc& acc, const Operand& x, const Operand& w) {
+    acc = madd4(madd4(acc, x.even, w.even), x.odd, w.odd);
+  }
+  static float reduce(Acc acc) { return reduce4(acc); }
+};
+
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
 
 inline float reduce256(__m256 a) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -233,8 +301,10 @@ template <typename In>
 struct TileShape {
   static constexpr int kOperandRegisters =
       sizeof(typename Dot<In>::Operand) / sizeof(typename Dot<In>::Acc);
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
-  // 16 ymm registers: 4 x 2 (3 x 2 with two-register bf16 operands).
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2 || \
+    (MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar && defined(__x86_64__))
+  // 16 ymm (or, on the portable path, xmm) registers: 4 x 2 (3 x 2 with two-register bf16
+  // operands). The portable path has 32 on aarch64.
   static constexpr int kRegisters = 16;
   static constexpr int kExperts = kOperandRegisters == 1 ? 4 : 3;
   static constexpr int kTokens = 2;
@@ -256,6 +326,16 @@ constexpr int kExpertBlock = 2;
 inline void store_logit(float v, float* out) { *out = v; }
 inline void store_logit(float v, bf16_t* out) { out->bits = float_to_bf16_bits(v); }
 
+// The portable copy unrolls the loops over a tile's tokens and experts by pragma: left to
+// GCC 12, the aarch64 build kept its accumulators in memory, loaded and stored around every
+// token's dot products. The x86 copies keep the code their tuning measured (the pragma
+// would change it: GCC leaves some of those loops rolled there).
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#define MOEEXT_TILE_UNROLL _Pragma("GCC unroll 16")
+#else
+#define MOEEXT_TILE_UNROLL
+#endif
+
 // One pass over h in [h_begin, h_end) of one tile. partial holds the tile's accumulators
 // between passes ([kTokens][kExperts], unused when the pass is the only one); the first pass
 // starts from zero, the last one reduces and writes the logits.
@@ -266,14 +346,18 @@ void tile(const RouterGemmParams& p, int64_t expert, int64_t token, int64_t h_be
   using Shape = TileShape<In>;
   const In* x[TB];
   const In* w[R];
+  MOEEXT_TILE_UNROLL
   for (int t = 0; t < TB; ++t) {
     x[t] = static_cast<const In*>(p.hidden_states) + (token + t) * p.hidden_row_stride;
   }
+  MOEEXT_TILE_UNROLL
   for (int r = 0; r < R; ++r) {
     w[r] = static_cast<const In*>(p.weight) + (expert + r) * p.weight_row_stride;
   }
   typename D::Acc acc[TB][R];
+  MOEEXT_TILE_UNROLL
   for (int t = 0; t < TB; ++t) {
+    MOEEXT_TILE_UNROLL
     for (int r = 0; r < R; ++r) {
       acc[t][r] = first ? D::zero() : partial[t * Shape::kExperts + r];
     }
@@ -281,32 +365,43 @@ void tile(const RouterGemmParams& p, int64_t expert, int64_t token, int64_t h_be
   int64_t h = h_begin;
   for (; h + D::kStep <= h_end; h += D::kStep) {
     typename D::Operand wv[R];
+    MOEEXT_TILE_UNROLL
     for (int r = 0; r < R; ++r) wv[r] = D::load(w[r] + h);
+    MOEEXT_TILE_UNROLL
     for (int t = 0; t < TB; ++t) {
       const typename D::Operand xv = D::load(x[t] + h);
+      MOEEXT_TILE_UNROLL
       for (int r = 0; r < R; ++r) D::madd(acc[t][r], xv, wv[r]);
     }
   }
   if (h < h_end) {
     // Only the last pass has a tail. Both operands load zeros past H: exact zeros added.
     typename D::Operand wv[R];
+    MOEEXT_TILE_UNROLL
     for (int r = 0; r < R; ++r) wv[r] = D::load_tail(w[r] + h, h_end - h);
+    MOEEXT_TILE_UNROLL
     for (int t = 0; t < TB; ++t) {
       const typename D::Operand xv = D::load_tail(x[t] + h, h_end - h);
+      MOEEXT_TILE_UNROLL
       for (int r = 0; r < R; ++r) D::madd(acc[t][r], xv, wv[r]);
     }
   }
   if (!last) {
+    MOEEXT_TILE_UNROLL
     for (int t = 0; t < TB; ++t) {
+      MOEEXT_TILE_UNROLL
       for (int r = 0; r < R; ++r) partial[t * Shape::kExperts + r] = acc[t][r];
     }
     return;
   }
+  MOEEXT_TILE_UNROLL
   for (int t = 0; t < TB; ++t) {
     Out* out = static_cast<Out*>(p.logits) + (token + t) * p.logits_row_stride + expert;
+    MOEEXT_TILE_UNROLL
     for (int r = 0; r < R; ++r) store_logit(D::reduce(acc[t][r]), out + r);
   }
 }
+#undef MOEEXT_TILE_UNROLL
 
 template <typename In>
 using TileFn = void (*)(const RouterGemmParams&, int64_t, int64_t, int64_t, int64_t,
@@ -668,24 +763,50 @@ namespace packed {
 
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
 
+// Four experts a vector, widened by shifting as Dot<bf16_t> does. 32 vector registers on
+// aarch64: 4 x 4 accumulators, 8 + 2 operands; 16 on x86-64: 2 x 4, 4 + 2.
 struct PairDot {
-  static constexpr int kLanes = 1;
+  static constexpr int kLanes = 4;
+#if defined(__x86_64__)
+  static constexpr int kVectors = 2, kTokens = 4;
+#else
   static constexpr int kVectors = 4, kTokens = 4;
-  using Acc = float;
+#endif
+  using Acc = F4;
   struct Pair {
-    float even, odd;
+    F4 even, odd;
   };
-  static Acc zero() { return 0.0f; }
-  static Acc load_acc(const float* p) { return *p; }
-  static void store_acc(Acc a, float* p) { *p = a; }
-  using Lanes = int;  // a vector is one expert: never partial
-  static Lanes lanes_mask(int /*n >= 1*/) { return 1; }
-  static Pair load_weight(const bf16_t* p) { return broadcast(p); }
-  static Pair load_weight(const bf16_t* p, Lanes /*all*/) { return broadcast(p); }
-  static Pair broadcast(const bf16_t* pair) { return {to_float(pair[0]), to_float(pair[1])}; }
+  static Acc zero() { return F4{}; }
+  static Acc load_acc(const float* p) { return load4(p); }
+  static void store_acc(Acc a, float* p) { std::memcpy(p, &a, sizeof(a)); }
+  using Lanes = int;  // the experts to load, 1..4
+  static Lanes lanes_mask(int n) { return n; }
+  static Pair split(U4 v) { return {portable_detail::bf16_even(v), portable_detail::bf16_odd(v)}; }
+  static Pair load_weight(const bf16_t* p) {
+    U4 v;
+    std::memcpy(&v, p, sizeof(v));
+    return split(v);
+  }
+  // Called for the last vector of every pair row. A copy of `lanes` pairs is a library call
+  // (every live vector register saved around it), so a whole vector takes a plain load; only
+  // a narrow tile's partial last vector pays for the call.
+  static Pair load_weight(const bf16_t* p, Lanes lanes) {
+    if (lanes == kLanes) return load_weight(p);
+    uint32_t pairs[kLanes] = {};
+    for (int i = 0; i < lanes; ++i) std::memcpy(&pairs[i], p + 2 * i, sizeof(uint32_t));
+    U4 v;
+    std::memcpy(&v, pairs, sizeof(v));
+    return split(v);
+  }
+  // The pair's 32 bits in every lane, split like a weight vector: one load-and-replicate and
+  // two lane operations instead of widening each element and replicating it.
+  static Pair broadcast(const bf16_t* pair) {
+    uint32_t bits;
+    std::memcpy(&bits, pair, sizeof(bits));
+    return split(U4{} + bits);
+  }
   static void madd(Acc& acc, const Pair& x, const Pair& w) {
-    acc += x.even * w.even;
-    acc += x.odd * w.odd;
+    acc = madd4(madd4(acc, x.even, w.even), x.odd, w.odd);
   }
 };
 

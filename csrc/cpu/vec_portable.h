@@ -58,6 +58,10 @@ MOEEXT_ALWAYS_INLINE F4 bits_to_f4(Bits x) {
   std::memcpy(&f, &x, sizeof(f));
   return f;
 }
+// Eight bf16 values read as four 32-bit words: the even ones are the words shifted left by
+// 16, the odd ones the words with the low half cleared.
+MOEEXT_ALWAYS_INLINE F4 bf16_even(U4 words) { return bits_to_f4(words << 16); }
+MOEEXT_ALWAYS_INLINE F4 bf16_odd(U4 words) { return bits_to_f4(words & 0xffff0000u); }
 template <typename Bits>
 MOEEXT_ALWAYS_INLINE Bits f4_to_bits(F4 x) {
   static_assert(sizeof(Bits) == sizeof(F4), "four 32-bit lanes");
@@ -65,10 +69,11 @@ MOEEXT_ALWAYS_INLINE Bits f4_to_bits(F4 x) {
   std::memcpy(&b, &x, sizeof(b));
   return b;
 }
-// fp16 values (each in the low half of a lane) widened exactly, as to_float(fp16_t) and
-// vcvtph2ps do, in a handful of lane operations instead of a branch per value. Subnormals
-// come out of a subtraction whose operands and result are normal, so the floating-point
-// environment (flush-to-zero, denormals-are-zero) cannot change them; NaNs keep their bits.
+// fp16 values (each in the low half of a lane) widened exactly, to to_float(fp16_t)'s bits,
+// in a handful of lane operations instead of a branch per value. Subnormals come out of a
+// subtraction whose operands and result are normal, so the floating-point environment
+// (flush-to-zero, denormals-are-zero) cannot change them. NaNs keep their bits, signalling
+// ones too (x86's vcvtph2ps quiets those; nothing downstream depends on a NaN's payload).
 MOEEXT_ALWAYS_INLINE F4 fp16_to_f4(U4 h) {
   const U4 sign = (h & 0x8000u) << 16;
   const U4 magnitude = (h & 0x7fffu) << 13;  // exponent and mantissa at their fp32 places
@@ -115,16 +120,13 @@ struct Vec {
     for (int i = 0; i < 8; ++i) lanes[i] = (m >> i) & 1u ? to_float(p[i]) : fill;
     return load(lanes);
   }
-  // vec_avx512.h's pair loads on 8 lanes: 16 bf16 values as 8 32-bit words, the even values
-  // the words shifted left by 16, the odd ones the words with the low half cleared.
+  // vec_avx512.h's pair loads on 8 lanes: 16 bf16 values as 8 32-bit words.
   static constexpr bool kHasBf16Pairs = true;
   MOEEXT_ALWAYS_INLINE static void load_pair(const bf16_t* p, Vec& even, Vec& odd) {
     portable_detail::U4 w[2];
     std::memcpy(w, p, sizeof(w));
-    const portable_detail::U4 high_half = portable_detail::U4{} + 0xffff0000u;
-    even = {portable_detail::bits_to_f4(w[0] << 16), portable_detail::bits_to_f4(w[1] << 16)};
-    odd = {portable_detail::bits_to_f4(w[0] & high_half),
-           portable_detail::bits_to_f4(w[1] & high_half)};
+    even = {portable_detail::bf16_even(w[0]), portable_detail::bf16_even(w[1])};
+    odd = {portable_detail::bf16_odd(w[0]), portable_detail::bf16_odd(w[1])};
   }
   MOEEXT_ALWAYS_INLINE static void interleave_pair(Vec even, Vec odd, Vec& low, Vec& high) {
     using portable_detail::shuffle;

@@ -1,9 +1,9 @@
 // Host unit test of the portable vector layer's fp16 widening (csrc/cpu/vec_portable.h), which
 // the portable routing and router GEMM kernels use on aarch64 and on x86-64 without AVX2:
-// every one of the 65536 fp16 bit patterns must widen to the bits of to_float(fp16_t), the
-// exact conversion (vcvtph2ps on the x86 paths). That covers signed zeros, every subnormal,
-// the infinities and every NaN payload, signalling ones included. .ci/aarch64_check.sh runs it
-// under qemu as well.
+// every one of the 65536 fp16 bit patterns must widen to the bits of to_float(fp16_t), which
+// the lanes of a partial load still use. That covers signed zeros, every subnormal, the
+// infinities and every NaN payload, signalling ones included (kept, where the x86 paths'
+// vcvtph2ps quiets them). .ci/aarch64_check.sh runs it under qemu as well.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
