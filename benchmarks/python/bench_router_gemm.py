@@ -19,7 +19,10 @@ may be shared: every function is timed in several rounds, interleaved with the o
 the best round's median is kept, so a burst of foreign load hits one round, not a column.
 
     python benchmarks/python/bench_router_gemm.py [--quick] [--experts 256,384]
-        [--tokens 1,4,16,64,256] [--markdown]
+        [--tokens 1,4,16,64,256] [--isa scalar|avx2|avx512|avx512bf16] [--markdown]
+
+--isa forces moeext's CPU path (the portable one is "scalar"); the default is the best one
+this CPU runs.
 """
 
 import argparse
@@ -91,7 +94,10 @@ def main(argv=None):
     parser.add_argument("--experts", default=",".join(map(str, EXPERTS)))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    parser.add_argument("--isa", default=None, help="force moeext's CPU path (default: best)")
     args = parser.parse_args(argv)
+    if args.isa is not None:
+        moeext.set_cpu_isa(args.isa)
     experts = [int(e) for e in args.experts.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
     min_time, rounds = 0.6, 3
