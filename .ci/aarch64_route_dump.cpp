@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
+#include "check_values.h"
 #include "moeext/grouped_topk.h"
 
 namespace {
@@ -19,46 +19,11 @@ using moeext::BiasedGroupedTopkParams;
 using moeext::DType;
 using moeext::ScoringFunc;
 
-uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-uint64_t next_random() {  // xorshift64: the same sequence on every machine
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return rng_state;
-}
-int64_t pick(int64_t n) { return int64_t(next_random() % uint64_t(n)); }
-float uniform() { return float(next_random() >> 40) / float(1 << 24); }
-float roughly_normal() {
-  float sum = 0.0f;
-  for (int i = 0; i < 6; ++i) sum += uniform();
-  return (sum - 3.0f) * 1.4f;
-}
-
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-uint16_t to_bf16(float f) {
-  const uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-// Deterministic, not exactly rounded: both builds only need the same inputs.
-uint16_t to_fp16(float f) {
-  const uint32_t u = bits_of(f), sign = (u >> 16) & 0x8000u, magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return uint16_t(sign | 0x7e00u);
-  if (magnitude >= 0x477ff000u) return uint16_t(sign | 0x7c00u);
-  if (magnitude < 0x38800000u) {
-    return uint16_t(sign | uint32_t(from_bits(magnitude) * 16777216.0f + 0.5f));
-  }
-  return uint16_t(sign | ((magnitude + 0xfffu + ((magnitude >> 13) & 1u) - 0x38000000u) >> 13));
-}
+using ci_values::float_to_bits;
+using ci_values::pick;
+using ci_values::roughly_normal;
+using ci_values::to_bf16;
+using ci_values::to_fp16;
 
 struct Topology {
   int64_t num_experts, num_expert_group, topk_group, topk;
@@ -174,7 +139,7 @@ int main(int argc, char** argv) {
         if (w != w) {
           std::fprintf(out, " %d:nan", id);
         } else {
-          std::fprintf(out, " %d:%08x", id, bits_of(w));
+          std::fprintf(out, " %d:%08x", id, float_to_bits(w));
         }
       }
       std::fprintf(out, "\n");

@@ -8,9 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
+#include "check_values.h"
+#include "cpu/types.h"
 #include "moeext/router_gemm.h"
 
 namespace {
@@ -19,42 +20,10 @@ using moeext::DType;
 using moeext::kRouterPackTile;
 using moeext::RouterGemmParams;
 
-uint64_t rng_state = 0x2545f4914f6cdd1dull;
-uint64_t next_random() {  // xorshift64
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return rng_state;
-}
-float roughly_normal() {
-  float sum = 0.0f;
-  for (int i = 0; i < 6; ++i) sum += float(next_random() >> 40) / float(1 << 24);
-  return (sum - 3.0f) * 1.4f;
-}
-
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-uint16_t to_bf16(float f) {  // round to nearest even; the inputs are finite
-  const uint32_t u = bits_of(f);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-float from_fp16(uint16_t h) {  // normals and zero: what to_fp16 below makes of these inputs
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, magnitude = h & 0x7fffu;
-  return from_bits(sign | (magnitude == 0 ? 0u : (magnitude << 13) + 0x38000000u));
-}
-uint16_t to_fp16(float f) {  // |f| in [2^-14, 65504] or 0, truncated
-  const uint32_t u = bits_of(f), sign = (u >> 16) & 0x8000u, magnitude = u & 0x7fffffffu;
-  if (magnitude < 0x38800000u) return uint16_t(sign);
-  return uint16_t(sign | ((magnitude - 0x38000000u) >> 13));
-}
+using ci_values::bits_to_float;
+using ci_values::roughly_normal;
+using ci_values::to_bf16;
+using ci_values::to_fp16;
 
 // Inputs are held as the fp32 values of the stored elements, and as the stored elements.
 struct Matrix {
@@ -74,10 +43,10 @@ Matrix make_matrix(int64_t rows, int64_t cols, int64_t pad, float scale, DType d
       const float v = c < cols ? scale * roughly_normal() : 1e30f;
       if (dtype == DType::kBFloat16) {
         m.half[i] = to_bf16(v);
-        m.value[i] = from_bits(uint32_t(m.half[i]) << 16);
+        m.value[i] = bits_to_float(uint32_t(m.half[i]) << 16);
       } else if (dtype == DType::kFloat16) {
         m.half[i] = to_fp16(c < cols ? v : 60000.0f);
-        m.value[i] = from_fp16(m.half[i]);
+        m.value[i] = moeext::cpu::to_float(moeext::cpu::fp16_t{m.half[i]});
       } else {
         m.value[i] = v;
       }
@@ -139,7 +108,7 @@ void check_case(int64_t tokens, int64_t hidden, int64_t experts, DType dtype, bo
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c = 0; c < out_stride; ++c) {
       const size_t at = size_t(t * out_stride + c);
-      const double got = bf16_out ? double(from_bits(uint32_t(out_h[at]) << 16)) : out_f[at];
+      const double got = bf16_out ? double(bits_to_float(uint32_t(out_h[at]) << 16)) : out_f[at];
       if (c >= experts) {
         const bool untouched = bf16_out ? out_h[at] == 0xabcd : out_f[at] == sentinel;
         if (!untouched && ++failures <= 20) {
