@@ -64,12 +64,21 @@ inline void topk_insert(uint64_t* keys, int64_t& count, int64_t k, uint64_t key)
 // (0, 1], where it needs no divide (vlog1p_unit). Above x = 20 (torch's threshold for
 // returning x) the log1p term is below half an ulp of x, so the sum rounds to x as torch's
 // does. In two steps, so that a path may run them as separate passes: exp(-|x|), then the rest.
-inline Vec softplus_exp(Vec x) {
+// Forced inline on the portable path, where GCC called both out of line, a call per vector
+// with the live vectors spilled around it (aarch64 and x86-64 alike). The x86 paths inline
+// them unasked; forcing it there would only move their register allocation.
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#define MOEEXT_PORTABLE_INLINE MOEEXT_ALWAYS_INLINE
+#else
+#define MOEEXT_PORTABLE_INLINE inline
+#endif
+MOEEXT_PORTABLE_INLINE Vec softplus_exp(Vec x) {
   return vexp(Vec::min(x, Vec::set1(0.0f) - x));  // NaN x: min returns its second operand
 }
-inline Vec sqrt_softplus(Vec x, Vec exp_neg_abs) {
+MOEEXT_PORTABLE_INLINE Vec sqrt_softplus(Vec x, Vec exp_neg_abs) {
   return Vec::sqrt(Vec::max(x, Vec::set1(0.0f)) + vlog1p_unit(exp_neg_abs));
 }
+#undef MOEEXT_PORTABLE_INLINE
 
 // Forced inline: on the portable layer GCC called the sigmoid out of line from the scoring
 // loop, a call per vector with the other live vectors spilled around it; inline, sigmoid rows
