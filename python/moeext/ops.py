@@ -235,7 +235,9 @@ def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     and 384 on two cores (README, "Router GEMM"): 0.73-0.86x the time of the ``nn.Linear``
     layout at 2 to 4 tokens, 0.91-0.93x at 1; from 8 tokens up level with it while the weight
     is in the last-level cache, but up to 1.5x slower at 16 to 64 tokens when it comes from
-    DRAM. It pays for decode batches of up to about 8 tokens.
+    DRAM. It pays for decode batches of up to about 8 tokens there. On the portable path it
+    was slower than the ``nn.Linear`` layout where measured (x86-64's SSE2 code: 1.5x the
+    time at one token); aarch64 is untimed.
 
     The result is opaque: its shape ``[ceil(H / 2), E, 2]`` carries the sizes, but it is no
     view of ``weight`` (``reference.unpack_router_weight`` inverts it). It is a copy: keep it
