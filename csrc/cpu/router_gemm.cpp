@@ -102,11 +102,7 @@ struct Dot<float> {
 
 template <>
 struct Dot<fp16_t> : Dot<float> {
-  static Operand load(const fp16_t* p) {
-    uint16_t h[kStep];
-    std::memcpy(h, p, sizeof(h));
-    return portable_detail::fp16_to_f4(U4{h[0], h[1], h[2], h[3]});
-  }
+  static Operand load(const fp16_t* p) { return portable_detail::load_fp16_4(p); }
   static Operand load_tail(const fp16_t* p, int64_t n) {
     fp16_t buffer[kStep];
     return load(zero_padded(p, n, buffer));
@@ -122,10 +118,13 @@ struct Dot<bf16_t> {
     F4 even, odd;
   };
   static Acc zero() { return F4{}; }
+  static Operand split(U4 words) {
+    return {portable_detail::bf16_even(words), portable_detail::bf16_odd(words)};
+  }
   static Operand load(const bf16_t* p) {
     U4 v;
     std::memcpy(&v, p, sizeof(v));
-    return {portable_detail::bf16_even(v), portable_detail::bf16_odd(v)};
+    return split(v);
   }
   static Operand load_tail(const bf16_t* p, int64_t n) {
     bf16_t buffer[kStep];
@@ -763,51 +762,41 @@ namespace packed {
 
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
 
-// Four experts a vector, widened by shifting as Dot<bf16_t> does. 32 vector registers on
+// Four experts a vector, widened and multiplied as Dot<bf16_t> does. 32 vector registers on
 // aarch64: 4 x 4 accumulators, 8 + 2 operands; 16 on x86-64: 2 x 4, 4 + 2.
 struct PairDot {
+  using Bf16 = Dot<bf16_t>;
   static constexpr int kLanes = 4;
 #if defined(__x86_64__)
   static constexpr int kVectors = 2, kTokens = 4;
 #else
   static constexpr int kVectors = 4, kTokens = 4;
 #endif
-  using Acc = F4;
-  struct Pair {
-    F4 even, odd;
-  };
-  static Acc zero() { return F4{}; }
+  using Acc = Bf16::Acc;
+  using Pair = Bf16::Operand;
+  static Acc zero() { return Bf16::zero(); }
   static Acc load_acc(const float* p) { return load4(p); }
   static void store_acc(Acc a, float* p) { std::memcpy(p, &a, sizeof(a)); }
   using Lanes = int;  // the experts to load, 1..4
   static Lanes lanes_mask(int n) { return n; }
-  static Pair split(U4 v) { return {portable_detail::bf16_even(v), portable_detail::bf16_odd(v)}; }
-  static Pair load_weight(const bf16_t* p) {
-    U4 v;
-    std::memcpy(&v, p, sizeof(v));
-    return split(v);
-  }
+  static Pair load_weight(const bf16_t* p) { return Bf16::load(p); }
   // Called for the last vector of every pair row. A copy of `lanes` pairs is a library call
   // (every live vector register saved around it), so a whole vector takes a plain load; only
   // a narrow tile's partial last vector pays for the call.
   static Pair load_weight(const bf16_t* p, Lanes lanes) {
-    if (lanes == kLanes) return load_weight(p);
-    uint32_t pairs[kLanes] = {};
-    for (int i = 0; i < lanes; ++i) std::memcpy(&pairs[i], p + 2 * i, sizeof(uint32_t));
-    U4 v;
-    std::memcpy(&v, pairs, sizeof(v));
-    return split(v);
+    if (lanes == kLanes) return Bf16::load(p);
+    U4 v{};
+    std::memcpy(&v, p, size_t(lanes) * 2 * sizeof(bf16_t));
+    return Bf16::split(v);
   }
   // The pair's 32 bits in every lane, split like a weight vector: one load-and-replicate and
   // two lane operations instead of widening each element and replicating it.
   static Pair broadcast(const bf16_t* pair) {
     uint32_t bits;
     std::memcpy(&bits, pair, sizeof(bits));
-    return split(U4{} + bits);
+    return Bf16::split(U4{} + bits);
   }
-  static void madd(Acc& acc, const Pair& x, const Pair& w) {
-    acc = madd4(madd4(acc, x.even, w.even), x.odd, w.odd);
-  }
+  static void madd(Acc& acc, const Pair& x, const Pair& w) { Bf16::madd(acc, x, w); }
 };
 
 #elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2

@@ -86,6 +86,11 @@ MOEEXT_ALWAYS_INLINE F4 fp16_to_f4(U4 h) {
   const U4 small = f4_to_bits<U4>(bits_to_f4(magnitude + two_m14) - bits_to_f4(two_m14));
   return bits_to_f4((exponent == 0u ? small : normal) | sign);
 }
+MOEEXT_ALWAYS_INLINE F4 load_fp16_4(const fp16_t* p) {
+  uint16_t h[4];
+  std::memcpy(h, p, sizeof(h));
+  return fp16_to_f4(U4{h[0], h[1], h[2], h[3]});
+}
 
 }  // namespace portable_detail
 
@@ -372,11 +377,7 @@ struct Vec {
   }
   MOEEXT_ALWAYS_INLINE static Vec widen(const float* p) { return load(p); }
   MOEEXT_ALWAYS_INLINE static Vec widen(const fp16_t* p) {
-    uint16_t h[8];
-    std::memcpy(h, p, sizeof(h));
-    using portable_detail::U4;
-    return {portable_detail::fp16_to_f4(U4{h[0], h[1], h[2], h[3]}),
-            portable_detail::fp16_to_f4(U4{h[4], h[5], h[6], h[7]})};
+    return {portable_detail::load_fp16_4(p), portable_detail::load_fp16_4(p + 4)};
   }
 
   MOEEXT_ALWAYS_INLINE static Mask bits(I4 lo, I4 hi) {
