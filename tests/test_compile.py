@@ -140,37 +140,63 @@ def test_compile_zero_tail_keeps_the_extent_symbolic(device):
             assert int(total) == 8 * n and int(buf[n:].count_nonzero()) == 0
 
 
-def test_export_with_a_dynamic_batch(device):
-    # torch.export (the AOTInductor path) of a gate plus a tracked buffer, batch dynamic.
-    router = moeext.nn.GroupedTopKRouter.from_preset("deepseek-v3", 64, device=device)
+class _RoutingStep(torch.nn.Module):
+    """A gate, then its ids kept in a persistent buffer whose tail is zeroed as batches shrink."""
 
-    class Step(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = router
-            self.register_buffer("ids", torch.zeros(32, 8, dtype=torch.int32, device=device))
-            self.register_buffer("extent", torch.zeros(1, dtype=torch.int64, device=device))
+    def __init__(self, device):
+        super().__init__()
+        self.router = moeext.nn.GroupedTopKRouter.from_preset("deepseek-v3", 64, device=device)
+        self.register_buffer("ids", torch.zeros(32, 8, dtype=torch.int32, device=device))
+        self.register_buffer("extent", torch.zeros(1, dtype=torch.int64, device=device))
 
-        def forward(self, hidden):
-            n = hidden.shape[0]
-            weights, ids = self.router(hidden)
-            moeext.zero_tail_tracked_(self.ids, self.extent, n)
-            self.ids[:n] = ids
-            return weights
+    def forward(self, hidden):
+        n = hidden.shape[0]
+        weights, ids = self.router(hidden)
+        moeext.zero_tail_tracked_(self.ids, self.extent, n)
+        self.ids[:n] = ids
+        return weights
 
+
+def _export_routing_step(step, device):
     batch = torch.export.Dim("batch", min=1, max=32)
     with torch.no_grad():
-        exported = torch.export.export(Step(), (torch.randn(5, 64, device=device).bfloat16(),),
-                                       dynamic_shapes=({0: batch},))
-    module = exported.module()
+        return torch.export.export(step, (torch.randn(5, 64, device=device).bfloat16(),),
+                                   dynamic_shapes=({0: batch},))
+
+
+def _check_routing_steps(run, router, ids, device):
+    """Batches of 7 then 3 tokens: weights as eager, ids in the buffer, its tail zeroed."""
     for n in (7, 3):
         hidden = torch.randn(n, 64, device=device).bfloat16()
         with torch.no_grad():
-            weights = module(hidden)
+            weights = run(hidden)
             expected_weights, expected_ids = router(hidden)
         torch.testing.assert_close(weights, expected_weights)
-        ids = dict(module.named_buffers())["ids"]
         assert torch.equal(ids[:n], expected_ids) and not ids[n:].any()
+
+
+def test_export_with_a_dynamic_batch(device):
+    step = _RoutingStep(device)
+    module = _export_routing_step(step, device).module()
+    _check_routing_steps(module, step.router, dict(module.named_buffers())["ids"], device)
+
+
+def test_aot_inductor_package_with_a_dynamic_batch(device, tmp_path):
+    # The deployment path after torch.export: AOTInductor compiles the program into a package
+    # whose generated code reaches the moeext ops through the dispatcher. Its buffers are
+    # handed in as the caller's own tensors, so the tail zeroing is seen where a server's
+    # persistent buffer would be.
+    step = _RoutingStep(device)
+    step.ids.fill_(7)
+    step.extent.fill_(32)
+    with torch.no_grad():
+        package = torch._inductor.aoti_compile_and_package(
+            _export_routing_step(step, device), package_path=str(tmp_path / "step.pt2"))
+    runner = torch._inductor.aoti_load_package(package)
+    runner.load_constants(dict(step.state_dict(keep_vars=True)), check_full_update=True,
+                          user_managed=True)
+    _check_routing_steps(runner, step.router, step.ids, device)
+    assert int(step.extent) == 3
 
 
 def test_compile_zero_tail_gradient(device):
