@@ -51,24 +51,18 @@ MOEEXT_ALWAYS_INLINE I4 lanes4(uint32_t m, int shift) {
 }
 // 1.0 in the lanes of a lane mask, else 0.
 MOEEXT_ALWAYS_INLINE F4 ones4(I4 lane_mask) { return lane_mask ? splat(1.0f) : splat(0.0f); }
-template <typename Bits>
-MOEEXT_ALWAYS_INLINE F4 bits_to_f4(Bits x) {
-  static_assert(sizeof(Bits) == sizeof(F4), "four 32-bit lanes");
-  F4 f;
-  std::memcpy(&f, &x, sizeof(f));
-  return f;
+// The same four 32-bit lanes read as another vector type (float <-> integer bits).
+template <typename To, typename From>
+MOEEXT_ALWAYS_INLINE To lane_bits(From x) {
+  static_assert(sizeof(To) == sizeof(From), "four 32-bit lanes");
+  To to;
+  std::memcpy(&to, &x, sizeof(to));
+  return to;
 }
 // Eight bf16 values read as four 32-bit words: the even ones are the words shifted left by
 // 16, the odd ones the words with the low half cleared.
-MOEEXT_ALWAYS_INLINE F4 bf16_even(U4 words) { return bits_to_f4(words << 16); }
-MOEEXT_ALWAYS_INLINE F4 bf16_odd(U4 words) { return bits_to_f4(words & 0xffff0000u); }
-template <typename Bits>
-MOEEXT_ALWAYS_INLINE Bits f4_to_bits(F4 x) {
-  static_assert(sizeof(Bits) == sizeof(F4), "four 32-bit lanes");
-  Bits b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
+MOEEXT_ALWAYS_INLINE F4 bf16_even(U4 words) { return lane_bits<F4>(words << 16); }
+MOEEXT_ALWAYS_INLINE F4 bf16_odd(U4 words) { return lane_bits<F4>(words & 0xffff0000u); }
 // fp16 values (each in the low half of a lane) widened exactly, to to_float(fp16_t)'s bits,
 // in a handful of lane operations instead of a branch per value. Subnormals come out of a
 // subtraction whose operands and result are normal, so the floating-point environment
@@ -83,8 +77,8 @@ MOEEXT_ALWAYS_INLINE F4 fp16_to_f4(U4 h) {
   const U4 normal = magnitude + rebias;
   // Zero and subnormals, m * 2^-24: 2^-14 * (1 + m / 1024) - 2^-14, exact.
   const U4 two_m14 = U4{} + (113u << 23);
-  const U4 small = f4_to_bits<U4>(bits_to_f4(magnitude + two_m14) - bits_to_f4(two_m14));
-  return bits_to_f4((exponent == 0u ? small : normal) | sign);
+  const U4 small = lane_bits<U4>(lane_bits<F4>(magnitude + two_m14) - lane_bits<F4>(two_m14));
+  return lane_bits<F4>((exponent == 0u ? small : normal) | sign);
 }
 MOEEXT_ALWAYS_INLINE F4 load_fp16_4(const fp16_t* p) {
   uint16_t h[4];
@@ -387,7 +381,7 @@ struct Vec {
 
   // 2^k for k in [-126, 127], built from its exponent field.
   MOEEXT_ALWAYS_INLINE static F4 pow2_4(I4 k) {
-    return portable_detail::bits_to_f4((k + 127) << 23);
+    return portable_detail::lane_bits<F4>((k + 127) << 23);
   }
   MOEEXT_ALWAYS_INLINE static F4 scalef4(F4 a, F4 n) {
     const I4 is_nan = n != n;
