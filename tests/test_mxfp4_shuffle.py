@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -182,7 +183,7 @@ def test_e8m0_shuffle_gate_up_and_strides(device_isa, n):
 
 
 # Each case takes the device the test runs on (d) and makes its argument there.
-@pytest.mark.parametrize("call,message", [
+INVALID_CASES = [
     (lambda d: moeext.shuffle_weight(torch.zeros(32, dtype=torch.uint8, device=d)),
      "w must be at least 2-D"),
     (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, device=d)),
@@ -190,7 +191,21 @@ def test_e8m0_shuffle_gate_up_and_strides(device_isa, n):
     (lambda d: moeext.shuffle_weight(torch.zeros(17, 32, dtype=torch.uint8, device=d)),
      "N (17) must be a multiple of layout[0] (16)"),
     (lambda d: moeext.shuffle_weight(torch.zeros(16, 48, dtype=torch.uint8, device=d)),
-     "K (48) must be a multiple of 2 * layout[1] (32)"),
+     "K (48) must be a multiple of 2 * layout[1] (2 x 16)"),
+    # 2 * layout[1] would wrap to -16, a divisor of K, if it were ever formed.
+    (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8, device=d),
+                                     (16, 2**63 - 8)),
+     f"K (32) must be a multiple of 2 * layout[1] (2 x {2**63 - 8})"),
+    (lambda d: moeext.unshuffle_weight(torch.zeros(16, 32, dtype=torch.bfloat16, device=d),
+                                       (16, 2**63 - 16)),
+     f"K (32) must be a multiple of 2 * layout[1] (2 x {2**63 - 16})"),
+    (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8, device=d), (0, 16)),
+     "layout[0] (rows per band) must be in [1, 256], got 0"),
+    (lambda d: moeext.shuffle_weight(torch.zeros(512, 32, dtype=torch.uint8, device=d),
+                                     (512, 16)),
+     "layout[0] (rows per band) must be in [1, 256], got 512"),
+    (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8, device=d), (16, 0)),
+     "layout[1] (0) must make 2 * layout[1] a multiple of 16 elements"),
     (lambda d: moeext.shuffle_weight(torch.zeros(16, 32, dtype=torch.uint8, device=d), (16, 4)),
      "2 * layout[1] a multiple of 16 elements"),
     (lambda d: moeext.shuffle_weight(torch.zeros(32, 32, dtype=torch.uint8, device=d),
@@ -210,12 +225,40 @@ def test_e8m0_shuffle_gate_up_and_strides(device_isa, n):
                                    num_experts=2), "groups of 2N rows with 2N a multiple of 32"),
     (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d), 300, 8),
      "shuffled must have the padded shape [512, 8]"),
-])
-def test_invalid_arguments(device, call, message):
-    import re
+    # Padding an m near 2^63 must not overflow into a shape that matches.
+    (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d),
+                                     2**63 - 1, 8), "shuffled must have the padded shape"),
+    (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d), -1, 0),
+     "m and n must be >= 0, got m=-1, n=0"),
+    (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d), 64, 8,
+                                     gate_up=True), "gate_up=True needs num_experts"),
+    (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d), 96, 8,
+                                     gate_up=True, num_experts=2),
+     "groups of 2N rows with 2N a multiple of 32"),
+]
 
+
+@pytest.mark.parametrize("call,message", INVALID_CASES)
+def test_invalid_arguments(device, call, message):
     with pytest.raises(RuntimeError, match=re.escape(message)):
         call(device)
+
+
+# The fakes trace these ops: what the kernels refuse must fail at trace time too, in the same
+# words, or a compiled graph fails only when it runs.
+@pytest.mark.parametrize("call,message", INVALID_CASES)
+def test_fake_rejects_what_the_kernel_rejects(call, message):
+    prefix = message.split(", got")[0]  # dtype names: Python and C++ spell them differently
+    with pytest.raises(RuntimeError, match=re.escape(prefix)):
+        call("meta")
+
+
+@pytest.mark.parametrize("layout", [16, None])
+def test_layout_must_be_a_pair(layout):
+    w = torch.zeros(16, 32, dtype=torch.uint8)
+    for op in (moeext.shuffle_weight, moeext.unshuffle_weight):
+        with pytest.raises(TypeError, match=rf"{op.__name__}: layout must be a pair of ints"):
+            op(w, layout)
 
 
 @pytest.mark.parametrize("gate_up", [False, True])

@@ -121,7 +121,7 @@ def test_tracked_state_shapes_and_negative_state(device):
 
 
 # Other tensors a case makes come from buf or state (new_*), so they sit on the test's device.
-@pytest.mark.parametrize("call,message", [
+INVALID_CASES = [
     (lambda b, s: moeext.zero_tail_(b, -1, 3), "new_extent must be >= 0, got -1"),
     (lambda b, s: moeext.zero_tail_(b, 1, -3), "prev_extent must be >= 0, got -3"),
     (lambda b, s: moeext.zero_tail_(s.new_tensor(5), 0, 3), "buf must have at least one dimension"),
@@ -139,13 +139,26 @@ def test_tracked_state_shapes_and_negative_state(device):
      "buf has rows that share memory"),
     (lambda b, s: moeext.zero_tail_tracked_(b[:4], b.view(torch.int64)[2, :1], 1),
      "state shares memory with buf"),
-])
+]
+
+
+@pytest.mark.parametrize("call,message", INVALID_CASES)
 def test_invalid_arguments_write_nothing(device, call, message):
     buf = torch.ones(8, 6, dtype=torch.int32, device=device)
     state = torch.tensor([8], dtype=torch.int64, device=device)
     with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         call(buf, state)
     assert bool((buf == 1).all()) and int(state) == 8
+
+
+# The rows' layout is the kernel's to check (as strides are for every op's fake).
+@pytest.mark.parametrize("call,message", [
+    c for c in INVALID_CASES if "rows" not in c[1] and "shares memory" not in c[1]])
+def test_fake_rejects_what_the_kernel_rejects(call, message):
+    buf = torch.ones(8, 6, dtype=torch.int32, device="meta")
+    state = torch.empty(1, dtype=torch.int64, device="meta")
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(buf, state)
 
 
 def test_tracked_state_beside_the_buffer_in_one_allocation(device):

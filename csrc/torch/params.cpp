@@ -351,14 +351,15 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
   const int64_t chunk = 16 / element;  // elements in a 16-byte chunk
   TORCH_CHECK(band >= 1 && band <= 256, op, ": layout[0] (rows per band) must be in [1, 256], got ",
               band);
-  TORCH_CHECK(ik >= 1 && (2 * ik) % chunk == 0, op, ": layout[1] (", ik,
+  // 2 * ik is never formed: a layout[1] near 2^63 would wrap it into a divisor of K.
+  TORCH_CHECK(ik >= 1 && ik % (chunk / 2) == 0, op, ": layout[1] (", ik,
               ") must make 2 * layout[1] a multiple of ", chunk, " elements (16 bytes of ",
               logical.scalar_type(), ")");
   const int64_t rows = logical.size(-2), k = logical.size(-1);
   TORCH_CHECK(rows % band == 0, op, ": N (", rows, ") must be a multiple of layout[0] (", band,
               ")");
-  TORCH_CHECK(k % (2 * ik) == 0, op, ": K (", k, ") must be a multiple of 2 * layout[1] (",
-              2 * ik, ")");
+  TORCH_CHECK(k % ik == 0 && (k / ik) % 2 == 0, op, ": K (", k,
+              ") must be a multiple of 2 * layout[1] (2 x ", ik, ")");
   if (gate_up) {
     TORCH_CHECK(logical.dim() == 3, op,
                 ": gate_up=True needs a 3-D fused weight [E, 2N, K], got shape ",
@@ -404,13 +405,20 @@ void check_scale_dtype(const at::Tensor& t, const char* op, const char* arg) {
               arg, " must be uint8 or float8_e8m0fnu, got ", t.scalar_type());
 }
 
+// x >= 0 rounded up to a multiple of to; saturates where that would overflow (an m or n
+// given to e8m0_unshuffle near 2^63), which no tensor's extent matches.
+int64_t round_up(int64_t x, int64_t to) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  return x > kMax - (to - 1) ? kMax : (x + to - 1) / to * to;
+}
+
 E8m0ShuffleParams make_e8m0_params(int64_t m, int64_t n, bool gate_up,
                                    std::optional<int64_t> num_experts, const char* op) {
   E8m0ShuffleParams p;
   p.m = m;
   p.n = n;
-  p.padded_m = (m + 255) / 256 * 256;
-  p.padded_n = (n + 7) / 8 * 8;
+  p.padded_m = round_up(m, 256);
+  p.padded_n = round_up(n, 8);
   if (gate_up) {
     TORCH_CHECK(num_experts.has_value() && *num_experts >= 1, op,
                 ": gate_up=True needs num_experts (>= 1), got ",

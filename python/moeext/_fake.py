@@ -130,10 +130,17 @@ def _check_extent(op, name, value):
     torch._check(value >= 0, lambda: f"{op}: {name} must be >= 0, got {value}")
 
 
+def _check_zero_tail_buf(op, buf):
+    # Its rows' layout (contiguous, apart) is left to the kernel, as strides are elsewhere.
+    torch._check(buf.dim() >= 1,
+                 lambda: f"{op}: buf must have at least one dimension, got a 0-d tensor")
+
+
 @torch.library.register_fake("moeext::zero_tail_")
 def _zero_tail_fake(buf, new_extent, prev_extent):
     _check_extent("zero_tail_", "new_extent", new_extent)
     _check_extent("zero_tail_", "prev_extent", prev_extent)
+    _check_zero_tail_buf("zero_tail_", buf)
     return None
 
 
@@ -141,6 +148,7 @@ def _zero_tail_fake(buf, new_extent, prev_extent):
 def _zero_tail_tracked_fake(buf, state, new_extent):
     op = "zero_tail_tracked_"
     _check_extent(op, "new_extent", new_extent)
+    _check_zero_tail_buf(op, buf)
     torch._check(state.dtype == torch.int64 and state.numel() == 1,
                  lambda: f"{op}: state must hold one int64 (the previous extent), got "
                  f"{state.dtype} with {state.numel()} elements")
@@ -153,18 +161,27 @@ def _check_shuffle_weight(op, w, layout, gate_up):
     torch._check(w.dim() >= 2, lambda: f"{op}: w must be at least 2-D [..., N, K], got shape "
                  f"{list(w.shape)}")
     torch._check(w.element_size() in (1, 2) and not w.is_complex(),
-                 lambda: f"{op}: w must have a 1- or 2-byte dtype, got {w.dtype}")
+                 lambda: f"{op}: w must have a 1- or 2-byte dtype (uint8, int8, fp8, "
+                 f"float4_e2m1fn_x2, bfloat16, float16), got {w.dtype}")
+    torch._check(len(layout) == 2, lambda: f"{op}: layout must be (IN, IK), got {list(layout)}")
     band, ik = layout
     chunk = 16 // w.element_size()
+    torch._check(1 <= band <= 256,
+                 lambda: f"{op}: layout[0] (rows per band) must be in [1, 256], got {band}")
+    torch._check(ik >= 1 and ik % (chunk // 2) == 0,
+                 lambda: f"{op}: layout[1] ({ik}) must make 2 * layout[1] a multiple of {chunk} "
+                 f"elements (16 bytes of {w.dtype})")
     torch._check(w.shape[-2] % band == 0,
                  lambda: f"{op}: N ({w.shape[-2]}) must be a multiple of layout[0] ({band})")
-    torch._check(w.shape[-1] % (2 * ik) == 0 and (2 * ik) % chunk == 0,
+    torch._check(w.shape[-1] % (2 * ik) == 0,
                  lambda: f"{op}: K ({w.shape[-1]}) must be a multiple of 2 * layout[1] "
-                 f"({2 * ik})")
+                 f"(2 x {ik})")
     if gate_up:
-        torch._check(w.dim() == 3 and w.shape[-2] % 32 == 0,
-                     lambda: f"{op}: gate_up=True needs a 3-D fused weight [E, 2N, K] with 2N "
-                     f"a multiple of 32, got shape {list(w.shape)}")
+        torch._check(w.dim() == 3, lambda: f"{op}: gate_up=True needs a 3-D fused weight "
+                     f"[E, 2N, K], got shape {list(w.shape)}")
+        torch._check(w.shape[-2] % 32 == 0,
+                     lambda: f"{op}: gate_up=True needs 2N ({w.shape[-2]}) to be a multiple of "
+                     f"32 (16-row gate/up blocks)")
 
 
 @torch.library.register_fake("moeext::shuffle_weight")
@@ -188,22 +205,33 @@ def _check_scale(op, name, t):
                  lambda: f"{op}: {name} must be uint8 or float8_e8m0fnu, got {t.dtype}")
 
 
+def _check_scale_experts(op, m, gate_up, num_experts):
+    if not gate_up:
+        return
+    torch._check(num_experts is not None and num_experts >= 1,
+                 lambda: f"{op}: gate_up=True needs num_experts (>= 1), got {num_experts}")
+    torch._check(m % num_experts == 0 and (m // num_experts) % 32 == 0,
+                 lambda: f"{op}: gate_up=True needs the scale rows ({m}) to split into "
+                 f"num_experts ({num_experts}) groups of 2N rows with 2N a multiple of 32")
+
+
 @torch.library.register_fake("moeext::e8m0_shuffle")
 def _e8m0_shuffle_fake(scale, gate_up=False, num_experts=None):
     torch._check(scale.dim() == 2, lambda: f"e8m0_shuffle: scale must be 2-D [m, n], got shape "
                  f"{list(scale.shape)}")
     _check_scale("e8m0_shuffle", "scale", scale)
-    if gate_up:
-        torch._check(num_experts is not None and num_experts >= 1,
-                     lambda: "e8m0_shuffle: gate_up=True needs num_experts (>= 1)")
+    _check_scale_experts("e8m0_shuffle", scale.shape[0], gate_up, num_experts)
     return scale.new_empty(_padded_scale_shape(scale.shape[0], scale.shape[1]))
 
 
 @torch.library.register_fake("moeext::e8m0_unshuffle")
 def _e8m0_unshuffle_fake(shuffled, m, n, gate_up=False, num_experts=None):
-    _check_scale("e8m0_unshuffle", "shuffled", shuffled)
+    op = "e8m0_unshuffle"
+    _check_scale(op, "shuffled", shuffled)
+    torch._check(m >= 0 and n >= 0, lambda: f"{op}: m and n must be >= 0, got m={m}, n={n}")
+    _check_scale_experts(op, m, gate_up, num_experts)
     torch._check(tuple(shuffled.shape) == _padded_scale_shape(m, n),
-                 lambda: f"e8m0_unshuffle: shuffled must have the padded shape "
+                 lambda: f"{op}: shuffled must have the padded shape "
                  f"{list(_padded_scale_shape(m, n))} of an [{m}, {n}] scale, got "
                  f"{list(shuffled.shape)}")
     return shuffled.new_empty((m, n))

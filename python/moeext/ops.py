@@ -8,7 +8,7 @@ through a direct call in ``moeext._C`` where the arguments are of the plain Pyth
 and its errors are the same.
 """
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -324,6 +324,13 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
 
 
+def _layout_arg(op: str, layout: Tuple[int, int]) -> List[int]:
+    # list() of an int or None would raise a TypeError that never names the argument.
+    if not isinstance(layout, (tuple, list)):
+        raise TypeError(f"{op}: layout must be a pair of ints (IN, IK), got {layout!r}")
+    return list(layout)
+
+
 def shuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
                    gate_up: bool = False) -> torch.Tensor:
     """Pre-shuffles a weight into the tile layout AITER's MoE kernels read (SPEC.md 3).
@@ -349,13 +356,13 @@ def shuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
         A new contiguous tensor of ``w``'s shape and dtype. Where ``w`` requires grad (in
         grad mode) it is differentiable: the gradient goes back through the inverse move.
     """
-    return torch.ops.moeext.shuffle_weight(w, list(layout), gate_up)
+    return torch.ops.moeext.shuffle_weight(w, _layout_arg("shuffle_weight", layout), gate_up)
 
 
 def unshuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
                      gate_up: bool = False) -> torch.Tensor:
     """Exact inverse of :func:`shuffle_weight` with the same ``layout`` and ``gate_up``."""
-    return torch.ops.moeext.unshuffle_weight(w, list(layout), gate_up)
+    return torch.ops.moeext.unshuffle_weight(w, _layout_arg("unshuffle_weight", layout), gate_up)
 
 
 def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False,
