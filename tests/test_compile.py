@@ -78,6 +78,27 @@ def test_compile_out_form_into_persistent_buffer(device):
     assert bool((weights_buf[:, 8] == 0).all()) and bool((ids_buf[20:] == 0).all())
 
 
+def test_compile_out_form_with_an_unbacked_batch(device):
+    # A batch size the graph cannot guard on (data-dependent, as after a nonzero()): the fake
+    # must check the outputs' sizes without guarding on them.
+    torch._dynamo.reset()
+
+    def route(logits, weights, ids):
+        moeext.biased_grouped_topk_out(logits, None, weights, ids, 8, 4)
+        return weights * 1, ids + 0
+
+    compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
+    logits, _ = _routing_inputs(5, device)
+    weights = torch.zeros(5, 8, device=device)
+    ids = torch.zeros(5, 8, dtype=torch.int32, device=device)
+    for t in (logits, weights, ids):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    got_weights, got_ids = compiled(logits, weights, ids)
+    expected_weights, expected_ids = moeext.biased_grouped_topk(logits, None, 8, 4, 8)
+    assert torch.equal(got_ids, expected_ids)
+    assert torch.equal(got_weights, expected_weights)
+
+
 def test_fake_rejects_what_the_kernel_rejects():  # meta tensors only: no device to vary
     logits = torch.empty(4, 64, device="meta")
     with pytest.raises(RuntimeError, match=r"topk \(33\) exceeds the experts"):

@@ -16,6 +16,14 @@ def _check_float_dtype(op, name, t):
                  lambda: f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
 
 
+def _check_shape(t, expected, message):
+    # One torch._check per size: `a == b and c == d` would guard on each comparison, and a
+    # data-dependent (unbacked) batch size cannot be guarded on; torch._check records it.
+    torch._check(t.dim() == len(expected), message)
+    for size, want in zip(t.shape, expected):
+        torch._check(size == want, message)
+
+
 def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group,
                         topk, scoring_func):
     torch._check(
@@ -39,7 +47,7 @@ def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, to
                  lambda: f"{op}: topk ({topk}) exceeds the experts in the kept groups "
                  f"(topk_group {topk_group} x {per_group} per group)")
     if correction_bias is not None:
-        torch._check(correction_bias.dim() == 1 and correction_bias.shape[0] == num_experts,
+        _check_shape(correction_bias, (num_experts,),
                      lambda: f"{op}: correction_bias must have shape [{num_experts}], got "
                      f"{list(correction_bias.shape)}")
         _check_float_dtype(op, "correction_bias", correction_bias)
@@ -79,8 +87,7 @@ def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, 
         torch._check(out.device == gating_output.device,
                      lambda: f"{op}: {name} is on {out.device} but gating_output is on "
                      f"{gating_output.device}")
-        torch._check(out.dim() == 2 and out.shape[0] == gating_output.shape[0]
-                     and out.shape[1] == topk,
+        _check_shape(out, (gating_output.shape[0], topk),
                      lambda: f"{op}: {name} must have shape [{gating_output.shape[0]}, {topk}], "
                      f"got {list(out.shape)}")
     return None
