@@ -281,6 +281,44 @@ def test_incompatible_dtypes_raise_and_write_nothing(device, slot_dtype, ckpt_dt
     assert torch.equal(slot.view(torch.uint8), before)
 
 
+def test_slots_torch_cannot_write_whole_raise_before_any_write(device):
+    ckpt = torch.arange(16.0).view(8, 2)
+    # An expanded slot: its first row would be copied before zero_tail_ refused the buffer.
+    row = torch.full((1, 2), 7.0, device=device)
+    with pytest.raises(ValueError, match="param_slot has elements that share memory"):
+        loading.load_shard_(row.expand(4, 2), ckpt, 0, 1, 2)
+    assert bool((row == 7).all())
+    # An inference tensor: copy_ writes the gate half before the up half is refused.
+    with torch.inference_mode():
+        slot = torch.full((4, 2), 7.0, device=device)
+    with pytest.raises(ValueError, match="param_slot is an inference tensor"):
+        loading.load_shard_(slot, ckpt, 0, 0, 2, fused_gate_up=True)
+    assert bool((slot == 7).all())
+    with torch.inference_mode():  # where it is writable, it loads
+        loading.load_shard_(slot, ckpt, 0, 0, 2, fused_gate_up=True)
+    assert slot.tolist() == [[0, 1], [2, 3], [8, 9], [10, 11]]
+    slot = torch.full((4, 2), 7.0, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="param_slot requires grad; .* torch.no_grad"):
+        loading.load_shard_(slot, ckpt, 0, 0, 2)
+    with torch.no_grad():
+        loading.load_shard_(slot, ckpt, 0, 1, 2)
+    assert slot.tolist() == [[8, 9], [10, 11], [12, 13], [14, 15]]
+    slot = torch.full((4, 2), 7.0, device=device)
+    with pytest.raises(ValueError, match="checkpoint_tensor is on the meta device"):
+        loading.load_shard_(slot, ckpt.to("meta"), 0, 0, 2)
+    assert bool((slot == 7).all())
+
+
+def test_a_checkpoint_sharing_the_slots_memory_is_refused(device):
+    base = torch.arange(24.0, device=device).view(12, 2)
+    before = base.clone()
+    with pytest.raises(ValueError, match="param_slot and checkpoint_tensor share memory"):
+        loading.load_shard_(base[:4], base[2:10], 0, 0, 2)
+    assert torch.equal(base, before)
+    loading.load_shard_(base[:4], base[4:12], 0, 1, 2)  # apart in one allocation: fine
+    assert torch.equal(base[:4], before[8:12])
+
+
 def test_non_tensor_arguments():
     with pytest.raises(ValueError, match="checkpoint_tensor must be a torch.Tensor"):
         loading.load_shard_(torch.zeros(2, 2), [[1.0, 2.0]], 0, 0, 1)

@@ -52,6 +52,36 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
+def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_slot_writable(op: str, slot: torch.Tensor, ckpt: torch.Tensor) -> None:
+    # What torch's copy_ and zero_tail_ would refuse, refused before the first write: a fused
+    # slot's gate half is copied before its up half could fail, and every copy before the
+    # zeroing.
+    if torch._debug_has_internal_overlap(slot) == 1:
+        raise ValueError(f"{op}: param_slot has elements that share memory (shape "
+                         f"{tuple(slot.shape)}, strides {slot.stride()}, e.g. an expanded "
+                         f"view); every element needs its own")
+    if slot.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{op}: param_slot is an inference tensor, writable only inside "
+                         f"torch.inference_mode()")
+    if slot.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: param_slot requires grad; loading records no gradient, so "
+                         f"call it under torch.no_grad()")
+    if ckpt.is_meta and not slot.is_meta:
+        raise ValueError(f"{op}: checkpoint_tensor is on the meta device (shape only, no data) "
+                         f"but param_slot is on {slot.device}")
+    if (slot.device == ckpt.device and not slot.is_meta and slot.numel() > 0
+            and ckpt.numel() > 0):
+        (slot_begin, slot_end), (ckpt_begin, ckpt_end) = _byte_span(slot), _byte_span(ckpt)
+        if slot_begin < ckpt_end and ckpt_begin < slot_end:
+            raise ValueError(f"{op}: param_slot and checkpoint_tensor share memory; the "
+                             f"checkpoint must be a tensor of its own")
+
+
 def _has_zero_tail_kernel(device: torch.device) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -148,6 +178,7 @@ def load_shard_(
         raise ValueError(f"{op}: checkpoint_tensor dtype {checkpoint_tensor.dtype} cannot be "
                          f"loaded into param_slot dtype {param_slot.dtype} (same dtype, or "
                          f"uint8 bytes against a 1-byte dtype)")
+    _check_slot_writable(op, param_slot, checkpoint_tensor)
 
     width, padded = checkpoint_tensor.size(dim), param_slot.size(dim)
     if fused_gate_up:
