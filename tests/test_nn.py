@@ -141,6 +141,19 @@ def test_bf16_logits(device):
         GroupedTopKRouter(8, 4, logits_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_expert_group=7), r"num_expert_group \(7\) must divide the number of experts"),
+    (dict(num_expert_group=8, topk_group=9), r"topk_group must be in \[1, num_expert_group"),
+    (dict(top_k=0), "topk must be >= 1, got 0"),
+    (dict(top_k=65), r"topk \(65\) exceeds the experts in the kept groups"),
+    (dict(scoring_func="sigmod"), "scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax'"),
+])
+def test_routing_settings_are_checked_when_built(kwargs, message):
+    # Not at the first forward, long after the model was built.
+    with pytest.raises(ValueError, match="GroupedTopKRouter: biased_grouped_topk: " + message):
+        GroupedTopKRouter(64, 64, **kwargs)
+
+
 def test_hidden_states_of_the_wrong_dtype_raise(device):
     router = GroupedTopKRouter.from_preset("glm-4.5", 64, device=device)
     with pytest.raises(RuntimeError, match=r"router_gemm: weight must have the dtype of "

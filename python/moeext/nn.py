@@ -52,6 +52,11 @@ class GroupedTopKRouter(torch.nn.Module):
             ``state_dict`` gives that layout back, so checkpoints stay interchangeable with an
             unpacked router. The parameter itself is then ``[ceil(hidden_size / 2),
             num_experts, 2]``.
+
+    Raises:
+        ValueError: when built with settings the routing op would refuse at the first
+            ``forward`` (its own message), a ``logits_dtype`` other than the two above, or
+            ``prepack_weight`` off the CPU or without bf16.
     """
 
     def __init__(
@@ -74,6 +79,12 @@ class GroupedTopKRouter(torch.nn.Module):
         if logits_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"GroupedTopKRouter: logits_dtype must be torch.float32 or "
                              f"torch.bfloat16, got {logits_dtype}")
+        try:  # the routing op's own checks, on no data: a bad setting fails here, not later
+            torch.ops.moeext.biased_grouped_topk(
+                torch.empty(0, num_experts, device="meta"), None, num_expert_group, topk_group,
+                top_k, renormalize, routed_scaling_factor, scoring_func)
+        except RuntimeError as e:
+            raise ValueError(f"GroupedTopKRouter: {e}") from None
         if prepack_weight and (dtype != torch.bfloat16
                                or torch.device(device or "cpu").type != "cpu"):
             raise ValueError(f"GroupedTopKRouter: prepack_weight needs a bfloat16 weight on the "
