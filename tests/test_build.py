@@ -101,3 +101,15 @@ def test_an_error_is_raised_not_a_crash():
                            timeout=300)
     assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-3000:]}"
     assert "new_extent must be >= 0, got -1" in child.stdout
+
+
+@pytest.mark.parametrize("forced,warns", [("scalar", False), ("auto", False), ("scaler", True)])
+def test_environment_names_no_path_this_machine_lacks_silently(forced, warns):
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import moeext; print(moeext.cpu_isa())"],
+        env={**__import__("os").environ, "MOEEXT_CPU_ISA": forced},
+        capture_output=True, text=True, check=True,
+    )
+    assert ("MOEEXT_CPU_ISA='scaler' is not a CPU path" in out.stderr) == warns, out.stderr
+    assert out.stdout.strip() == (moeext.build_info()["cpu_isa_best"] if forced != "scalar"
+                                  else "scalar")

@@ -5,6 +5,9 @@ Importing the package loads the native library, which registers ``torch.ops.moee
 ``torch.compile`` trace every op.
 """
 
+import os
+import warnings
+
 import torch  # noqa: F401  (loads libtorch before the extension that links against it)
 
 from . import _C  # registers torch.ops.moeext.*
@@ -28,6 +31,20 @@ from .ops import (
 from .buffers import PersistentBuffers
 
 __version__ = "0.1.0"
+
+
+def _warn_if_the_forced_cpu_isa_is_ignored() -> None:
+    # The native library reads MOEEXT_CPU_ISA once and falls back to the best path on a name
+    # it does not know or a path this build or CPU lacks; a typo should not pass unnoticed.
+    forced = os.environ.get("MOEEXT_CPU_ISA")
+    if forced is None or forced == "auto" or forced == cpu_isa():
+        return
+    available = build_info()["cpu_isas_available"]
+    warnings.warn(f"MOEEXT_CPU_ISA={forced!r} is not a CPU path this build and CPU run "
+                  f"({', '.join(available)}); using {cpu_isa()!r}", stacklevel=2)
+
+
+_warn_if_the_forced_cpu_isa_is_ignored()
 
 __all__ = [
     "PersistentBuffers",

@@ -403,12 +403,13 @@ def cpu_isa() -> str:
 
 def set_cpu_isa(isa: str) -> None:
     """Forces the CPU kernels onto ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
-    ``"auto"`` picks the best. (``"avx2"`` has code of its own for biased_grouped_topk and
-    router_gemm, and runs the ``"scalar"`` code of the other kernels; ``"avx512bf16"`` only
-    changes router_gemm and runs the ``"avx512"`` code of the rest. e8m0_shuffle has two
-    paths: SSE2 on ``"scalar"``, AVX2 on every other.)
+    ``"auto"`` picks the best. (Only biased_grouped_topk and router_gemm have a copy per path;
+    ``"avx512bf16"`` changes router_gemm alone and runs biased_grouped_topk's ``"avx512"``
+    code. e8m0_shuffle has two paths: SSE2 on ``"scalar"``, AVX2 on every other.
+    zero_tail_ and shuffle_weight have one, the same on every path.)
 
-    The environment variable ``MOEEXT_CPU_ISA`` does the same at import time. Raises
-    ValueError if this build or this CPU lacks the path.
+    The environment variable ``MOEEXT_CPU_ISA`` (the same names) picks the path when moeext
+    is imported; a name this build or this CPU lacks leaves the best path in place, with a
+    warning. ``set_cpu_isa`` raises ValueError for it instead.
     """
     _C.set_cpu_isa(isa)
