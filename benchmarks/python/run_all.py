@@ -79,6 +79,11 @@ def main(argv=None):
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args(argv)
+    if args.plot:
+        try:  # before minutes of benchmarks, not after them
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
     machine = machine_line()
     print(f"# moeext benchmarks — {machine}")
     rows = []

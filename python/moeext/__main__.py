@@ -1,8 +1,8 @@
 """``python -m moeext``: route a DeepSeek-V3-shaped batch, check it, time it.
 
-Routes 4096 tokens of bf16 router logits with DeepSeek-V3's routing (256 experts in 8
-groups, 4 groups kept, 8 experts per token, an fp32 correction bias around +2), compares the
-result with the pure-PyTorch reference, and prints the latency of both.
+Routes batches of 1 and 4096 tokens of bf16 router logits with DeepSeek-V3's routing (256
+experts in 8 groups, 4 groups kept, 8 experts per token, an fp32 correction bias around +2),
+compares the results with the pure-PyTorch reference, and prints the latency of both.
 """
 
 import statistics

@@ -21,6 +21,10 @@ class PersistentBuffers:
     Not valid for buffers that are read past their extent (for example a buffer whose
     padding rows a kernel reads): those still need a full fill.
 
+    The extents are Python ints, kept for eager loops: a ``torch.compile``d step that calls
+    :meth:`set_extent` is guarded on the previous extent and recompiles for each one. In
+    compiled code, keep the extent in a tensor with :func:`moeext.zero_tail_tracked_`.
+
     Example::
 
         bufs = PersistentBuffers(device="cpu")

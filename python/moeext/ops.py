@@ -86,8 +86,10 @@ def biased_grouped_topk(
     Gradients: where ``gating_output`` requires grad (and grad mode is on), ``topk_weights``
     is differentiable in the logits: the derivative of steps 1 and 5 at the chosen ids (of
     the whole row for softmax), as torch's autograd takes it through
-    ``moeext.reference.biased_grouped_topk``. The bias and the ids get no gradient. The
-    ``_out`` form records no gradient.
+    ``moeext.reference.biased_grouped_topk``, except that an expert outside the chosen ones
+    gets 0 where the reference's whole-row derivative is NaN (a NaN logit, or a sqrt-softplus
+    score that underflows to 0). The bias and the ids get no gradient. The ``_out`` form
+    records no gradient.
 
     Raises:
         RuntimeError: naming the offending argument, for any input outside the contract
@@ -232,8 +234,8 @@ def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     ``H``'s last pair padded with zero); the tiles follow each other. A register tile of the
     kernel then multiplies whole vectors of experts by one broadcast pair of each token, with
     the tokens in L1 and the weight in one sequential stream. Measured at H = 7168, E = 256
-    and 384 on two cores (README, "Router GEMM"): 0.73-0.86x the time of the ``nn.Linear``
-    layout at 2 to 4 tokens, 0.91-0.93x at 1; from 8 tokens up level with it while the weight
+    and 384 on two cores (README, "Router GEMM"): 0.71-0.86x the time of the ``nn.Linear``
+    layout at 2 to 4 tokens, 0.91-0.94x at 1; from 8 tokens up level with it while the weight
     is in the last-level cache, but up to 1.5x slower at 16 to 64 tokens when it comes from
     DRAM. It pays for decode batches of up to about 8 tokens there. On the portable path it
     was slower than the ``nn.Linear`` layout where measured (x86-64's SSE2 code: 1.5x the
@@ -242,7 +244,9 @@ def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     The result is opaque: its shape ``[ceil(H / 2), E, 2]`` carries the sizes, but it is no
     view of ``weight`` (``reference.unpack_router_weight`` inverts it). It is a copy: keep it
     instead of ``weight``, not beside it, and prepack again if the weight changes. Call it at
-    load time, never per forward.
+    load time, never per forward, on ``weight.detach()`` or under ``torch.no_grad()``: the
+    packed layout has no gradient formula, so ``router_gemm`` refuses a packed copy that
+    requires grad (as one made from a gate's parameter in grad mode does).
 
     Args:
         weight: ``[num_experts, hidden_size]`` bfloat16 CPU tensor (a gate's

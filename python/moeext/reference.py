@@ -9,9 +9,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["biased_grouped_topk", "router_gemm", "routing_scores", "SCORING_FUNCS",
-           "zero_tail_", "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight",
-           "e8m0_shuffle", "e8m0_unshuffle"]
+__all__ = ["biased_grouped_topk", "router_gemm", "unpack_router_weight", "routing_scores",
+           "SCORING_FUNCS", "zero_tail_", "zero_tail_tracked_", "shuffle_weight",
+           "unshuffle_weight", "e8m0_shuffle", "e8m0_unshuffle"]
 
 SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
