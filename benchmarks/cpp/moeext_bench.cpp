@@ -245,22 +245,26 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
       p.renormalize = preset.renormalize;
       p.routed_scaling_factor = preset.scale;
       p.scoring_func = preset.scoring;
-      // Same split as the torch binding: ~16k expert-rows per task, decode on one thread.
-      const int64_t grain = std::max<int64_t>(1, 16384 / preset.experts);
+      // The torch binding's split: its grain, then at::parallel_for's one contiguous chunk
+      // per thread (as many threads as whole grains, at most all of them).
+      const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
       const double bytes = in_bytes + (preset.bias ? preset.experts * 4.0 : 0.0) +
                            double(t) * preset.topk * 8;
       cases.push_back({"grouped_topk", std::string(preset.name) + " T=" + std::to_string(t),
                        bytes, rot, [data, p, grain](int i) mutable {
                          p.gating_output = data->logits[size_t(i)].data();
-                         const int64_t chunks = (p.num_tokens + grain - 1) / grain;
-                         if (chunks <= 1) {
+                         const int64_t threads = std::min<int64_t>(
+                             omp_get_max_threads(), (p.num_tokens + grain - 1) / grain);
+                         if (threads <= 1) {
                            moeext::biased_grouped_topk_cpu(p, 0, p.num_tokens);
                            return;
                          }
-#pragma omp parallel for schedule(static)
-                         for (int64_t c = 0; c < chunks; ++c) {
+                         const int64_t chunk = (p.num_tokens + threads - 1) / threads;
+#pragma omp parallel for schedule(static) num_threads(int(threads))
+                         for (int64_t c = 0; c < threads; ++c) {
                            moeext::biased_grouped_topk_cpu(
-                               p, c * grain, std::min(p.num_tokens, (c + 1) * grain));
+                               p, std::min(p.num_tokens, c * chunk),
+                               std::min(p.num_tokens, (c + 1) * chunk));
                          }
                        }});
     }

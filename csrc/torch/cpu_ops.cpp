@@ -34,10 +34,7 @@ at::Tensor empty_output(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 
 void run_grouped_topk_cpu(const BiasedGroupedTopkParams& p) {
-  // A row costs about 1 ns per expert. Chunks of at least 4k expert-rows (~4 us) pay for the
-  // second thread's wake-up: measured through torch.ops on 2 cores, 16k kept T = 32..64 on
-  // one thread and cost 25-30% there; 1k split T = 8 and lost 30%.
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, p.num_experts));
+  const int64_t grain = biased_grouped_topk_cpu_grain(p.num_experts);
   // One chunk runs here: parallel_for's set-up and thread-state guards cost 25-35 ns of a
   // one-token call.
   if (p.num_tokens <= grain) {

@@ -1,6 +1,7 @@
 // Biased grouped top-k routing (SPEC.md section 1): launcher API.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "moeext/common.h"
@@ -45,6 +46,14 @@ struct BiasedGroupedTopkParams {
 // thread: callers split the rows over their own thread pool.
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& params, int64_t row_begin,
                              int64_t row_end);
+
+// The fewest rows worth a thread of their own, for callers that split the rows (the torch
+// binding, the C++ benchmark). A row costs about 1 ns per expert, and chunks of at least 4k
+// expert-rows (~4 us) pay for the second thread's wake-up: measured through torch.ops on 2
+// cores, 16k kept T = 32..64 on one thread and cost 25-30% there; 1k split T = 8 and lost 30%.
+inline int64_t biased_grouped_topk_cpu_grain(int64_t num_experts) {
+  return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, num_experts));
+}
 
 // Routes every token on the GPU. Topologies past the fast path's limits (see
 // biased_grouped_topk_cuda_limit) are not launched: the caller checks first.
