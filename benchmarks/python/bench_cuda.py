@@ -10,14 +10,15 @@ Two times per function, both medians:
           once per batch: at small sizes this is the host's launch cost.
 
 Baselines, measured in the same run on the same inputs:
-  biased_grouped_topk  the vLLM/SGLang torch-native grouped_topk (benchmarks/python/
-                       baselines.py), eager
+  biased_grouped_topk  the pure-PyTorch grouped_topk (vLLM's CPU formulation, in
+                       benchmarks/python/baselines.py), eager: the engines' fallback where
+                       no fused kernel takes the shape, not their fused CUDA kernels
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
   zero_tail_           the full fill_(0) it replaces
-  shuffles             moeext.reference (view/permute/contiguous), and a clone() of the
-                       same bytes (the bandwidth bound)
+  shuffles             AITER's view/permute/contiguous formulations (baselines.py, one
+                       copy each), and a clone() of the same bytes (the bandwidth bound)
 
     python benchmarks/python/bench_cuda.py [--quick] [--only grouped_topk,...] [--markdown]
                                            [--tokens 9,12,15]
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from baselines import torch_native_grouped_topk  # noqa: E402
+from baselines import aiter_e8m0_shuffle, aiter_shuffle_weight  # noqa: E402
+from baselines import check_shuffle_baselines, torch_native_grouped_topk  # noqa: E402
 import moeext  # noqa: E402
 import moeext.reference  # noqa: E402
 from moeext.presets import PRESETS  # noqa: E402
@@ -210,22 +212,21 @@ def shuffles(table, quick):
     w = torch.randint(0, 256, (experts, n, k_bytes), dtype=torch.uint8, device="cuda")
     scales = torch.randint(100, 140, (experts * n, k_bytes * 2 // 32), dtype=torch.uint8,
                            device="cuda")
+    check_shuffle_baselines(w, scales, experts)
     clone = both(lambda: [lambda: w.clone()], **BIG)
     for gate_up in (False, True):
         case = f"{experts}x[{n},{k_bytes}] B" + (" gate_up" if gate_up else "")
         ours = both(lambda: [lambda: moeext.shuffle_weight(w, gate_up=gate_up)], **BIG)
-        table.add("shuffle_weight", case, ours, "view/permute/contiguous",
-                  both(lambda: [lambda: moeext.reference.shuffle_weight(w, gate_up=gate_up)],
-                       **BIG))
+        table.add("shuffle_weight", case, ours, "AITER view/permute/contiguous",
+                  both(lambda: [lambda: aiter_shuffle_weight(w, gate_up)], **BIG))
         table.add("shuffle_weight", case, ours, "clone() of the weight", clone)
     clone = both(lambda: [lambda: scales.clone()], **BIG)
     for gate_up in (False, True):
         kw = dict(gate_up=gate_up, num_experts=experts if gate_up else None)
         case = f"[{experts * n},224]" + (" gate_up" if gate_up else "")
         ours = both(lambda: [lambda: moeext.e8m0_shuffle(scales, **kw)], **BIG)
-        table.add("e8m0_shuffle", case, ours, "view/permute/contiguous",
-                  both(lambda: [lambda: moeext.reference.e8m0_shuffle(scales, **kw)],
-                       **BIG))
+        table.add("e8m0_shuffle", case, ours, "AITER view/permute/contiguous",
+                  both(lambda: [lambda: aiter_e8m0_shuffle(scales, **kw)], **BIG))
         table.add("e8m0_shuffle", case, ours, "clone() of the scales", clone)
 
 

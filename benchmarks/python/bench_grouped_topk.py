@@ -1,10 +1,10 @@
 """Biased grouped top-k: moeext against the pure-PyTorch formulation engines run today.
 
 For every SPEC preset and number of tokens: the median latency of ``moeext.biased_grouped_topk``
-(the public wrapper, which calls the op directly) and of the vLLM/SGLang-style torch-native
-``grouped_topk`` (fp32 math, as the contract requires) measured in the same process, and the
-speed-up; at T = 1 also the op called through ``torch.ops``, whose generic argument conversion
-costs about 1.3 us more per call. bf16 logits and an fp32 bias, as DeepSeek-V3 checkpoints
+(the public wrapper, which calls the op directly) and of the torch-native ``grouped_topk``
+vLLM's CPU backend routes with (fp32 math, as the contract requires; baselines.py) measured in
+the same process, and the speed-up; at T = 1 also the op called through ``torch.ops``, whose
+generic argument conversion costs 1.3-3 us more per call (by machine). bf16 logits and an fp32 bias, as DeepSeek-V3 checkpoints
 route. ``--baseline reference`` compares with ``moeext.reference.biased_grouped_topk`` (the
 sort-based oracle of the tests) instead.
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from baselines import torch_native_grouped_topk  # noqa: E402
+from baselines import check_grouped_topk_baseline, torch_native_grouped_topk  # noqa: E402
 from common import Row, machine_line, median_seconds  # noqa: E402
 import moeext  # noqa: E402
 import moeext.reference  # noqa: E402
@@ -42,6 +42,11 @@ def rows(quick=False, presets=None, tokens=None, baseline="torch-native"):
     baseline_name, baseline_fn = BASELINES[baseline]
     for name in presets:
         p = PRESETS[name]
+        if baseline == "torch-native":
+            check_grouped_topk_baseline(
+                ((2 + 0.05 * torch.randn(p.num_experts)) if p.has_bias else None,
+                 p.num_expert_group, p.topk_group, p.topk, p.renormalize,
+                 p.routed_scaling_factor, p.scoring_func), p.num_experts)
         for num_tokens in tokens:
             g = torch.Generator().manual_seed(num_tokens)
             logits = torch.randn(num_tokens, p.num_experts, generator=g).bfloat16()

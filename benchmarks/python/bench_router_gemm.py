@@ -11,7 +11,8 @@ the median latency of, all measured in the same run:
   linear fp32     F.linear(x.float(), w32)        weight upcast once, kept (2x the memory)
   upcast/call     F.linear(x.float(), w.float())  weight upcast on every call
   read bound      the time to read the weight's bytes once (a torch .sum() over an fp32
-                  buffer of the same size): what a T = 1 GEMM cannot beat
+                  buffer of the same size): the read a T = 1 GEMM pays too, as .sum()
+                  streams it (a yardstick: a kernel that streams better can dip below)
 
 and the ratios of each baseline to moeext fp32, and of F.linear bf16 to moeext packed (>1:
 moeext is faster). The machine's cores
