@@ -88,6 +88,31 @@ def test_build_files_do_not_tune_for_the_build_machine():
         assert "march=native" not in (ROOT / name).read_text()
 
 
+def test_the_sdist_holds_every_file_the_build_and_tests_need(tmp_path):
+    """`python -m build` compiles the wheel from the sdist, and so does `pip install` of one:
+    without MANIFEST.in the sdist held neither csrc/ nor CMakeLists.txt and could not build."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    import shutil
+    import tarfile
+
+    needed = [f for f in listed.stdout.split() if f.startswith(("csrc/", "python/", "tests/",
+                                                                "benchmarks/cpp/"))]
+    needed += ["CMakeLists.txt", "setup.py", "pyproject.toml", "README.md",
+               "requirements-test.txt"]
+    tree = tmp_path / "tree"
+    for name in listed.stdout.split():  # a copy: sdist writes egg-info beside the sources
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tree / name)
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)],
+                   cwd=tree, check=True, capture_output=True, timeout=300)
+    (archive,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(archive) as sdist:
+        held = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    assert sorted(set(needed) - held) == []
+
+
 def test_an_error_is_raised_not_a_crash():
     """A build that carried a private, static libstdc++ (its compiler linked one) died with
     SIGSEGV formatting its first error message, where the two copies' stream facets met.
