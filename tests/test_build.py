@@ -1,8 +1,10 @@
 """The build itself: what it reports, the run-time ISA switch, the registered ops."""
 
 import pathlib
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -94,9 +96,6 @@ def test_the_sdist_holds_every_file_the_build_and_tests_need(tmp_path):
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if listed.returncode != 0:
         pytest.skip("not a git checkout")
-    import shutil
-    import tarfile
-
     needed = [f for f in listed.stdout.split() if f.startswith(("csrc/", "python/", "tests/",
                                                                 "benchmarks/cpp/"))]
     needed += ["CMakeLists.txt", "setup.py", "pyproject.toml", "README.md",
@@ -129,7 +128,7 @@ def test_an_error_is_raised_not_a_crash():
 
 
 @pytest.mark.parametrize("forced,warns", [("scalar", False), ("auto", False), ("scaler", True)])
-def test_environment_names_no_path_this_machine_lacks_silently(forced, warns):
+def test_an_environment_naming_no_path_here_warns(forced, warns):
     out = subprocess.run(
         [sys.executable, "-W", "always", "-c", "import moeext; print(moeext.cpu_isa())"],
         env={**__import__("os").environ, "MOEEXT_CPU_ISA": forced},
