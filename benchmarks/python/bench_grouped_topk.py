@@ -4,9 +4,9 @@ For every SPEC preset and number of tokens: the median latency of ``moeext.biase
 (the public wrapper, which calls the op directly) and of the torch-native ``grouped_topk``
 vLLM's CPU backend routes with (fp32 math, as the contract requires; baselines.py) measured in
 the same process, and the speed-up; at T = 1 also the op called through ``torch.ops``, whose
-generic argument conversion costs 1.3-3 us more per call (by machine). bf16 logits and an fp32 bias, as DeepSeek-V3 checkpoints
-route. ``--baseline reference`` compares with ``moeext.reference.biased_grouped_topk`` (the
-sort-based oracle of the tests) instead.
+generic argument conversion costs 1.3-3 us more per call (by machine). bf16 logits and an fp32
+bias, as DeepSeek-V3 checkpoints route. ``--baseline reference`` compares with
+``moeext.reference.biased_grouped_topk`` (the sort-based oracle of the tests) instead.
 
     python benchmarks/python/bench_grouped_topk.py [--quick] [--presets a,b] [--tokens 1,16]
         [--baseline torch-native|reference]
