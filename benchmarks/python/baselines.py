@@ -14,6 +14,9 @@ each: ``shuffle_weight`` and, with ``gate_up``, ``shuffle_weight_a16w4``; ``e8m0
 
 import torch
 
+import moeext
+from moeext.reference import _as_storage_ints  # the tests' oracle views storage the same way
+
 
 def torch_native_grouped_topk(
     gating_output,
@@ -64,16 +67,11 @@ def torch_native_grouped_topk(
     return topk_weights, topk_ids.to(torch.int32)
 
 
-def _storage_ints(t):
-    # fp4 pairs and fp8 have no copy kernels of their own in every torch; AITER views them too.
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
-
-
 def aiter_shuffle_weight(w, gate_up=False):
     """AITER's shuffle_weight (layout (16, 16)) or, with gate_up, shuffle_weight_a16w4(w, 16,
     True): 16-row bands, 16-byte chunks emitted column by column; gate_up interleaves the two
     halves' 16-row blocks in the same single permute."""
-    x = _storage_ints(w)
+    x = _as_storage_ints(w)  # fp4/fp8 lack copy kernels in some torch builds; AITER views too
     chunk = 16 // x.element_size()
     *lead, rows, k = x.shape
     if gate_up:
@@ -102,8 +100,6 @@ def aiter_e8m0_shuffle(scale, gate_up=False, num_experts=None):
 def check_shuffle_baselines(w, scales, experts):
     """Asserts, once before any timing, that the AITER formulations give moeext's bytes on
     the benchmark's own inputs (every valid position of the padded e8m0 output)."""
-    import moeext  # the benchmarks' sys.path finds the package
-
     for gate_up in (False, True):
         assert torch.equal(aiter_shuffle_weight(w, gate_up),
                            moeext.shuffle_weight(w, gate_up=gate_up)), gate_up
@@ -118,8 +114,6 @@ def check_grouped_topk_baseline(args_without_logits, num_experts):
     """Asserts, once before any timing, that the torch-native baseline routes as moeext does:
     the same expert set and weights per token, on fp32 logits (no ties to break differently;
     the baseline's topk is unsorted, so the sets are compared in id order)."""
-    import moeext
-
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, num_experts, generator=g)
     theirs_w, theirs_ids = torch_native_grouped_topk(logits, *args_without_logits)
