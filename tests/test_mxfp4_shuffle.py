@@ -182,6 +182,20 @@ def test_e8m0_shuffle_gate_up_and_strides(device_isa, n):
         assert_same_bytes(moeext.e8m0_shuffle(view), expected)
 
 
+# Outputs of 8 MiB and more leave the AVX2 path by non-temporal stores (cpu/mxfp4_shuffle.cpp):
+# 9 MiB here, whole tiles in fours and a rest of two, then a padded tile of 6 columns.
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_e8m0_shuffle_of_an_output_past_the_streaming_size(device_isa, gate_up):
+    device, _ = device_isa
+    m, n = (36 * 1024, 246) if gate_up else (37000, 246)
+    kwargs = {"gate_up": True, "num_experts": 36} if gate_up else {}
+    s = random_bytes((m, n), torch.uint8, seed=10, device=device)
+    out = moeext.e8m0_shuffle(s, **kwargs)
+    assert out.numel() >= 8 << 20
+    assert_same_bytes(out, reference.e8m0_shuffle(s.cpu(), **kwargs))
+    assert_same_bytes(moeext.e8m0_unshuffle(out, m, n, **kwargs), s)
+
+
 # Each case takes the device the test runs on (d) and makes its argument there.
 INVALID_CASES = [
     (lambda d: moeext.shuffle_weight(torch.zeros(32, dtype=torch.uint8, device=d)),
