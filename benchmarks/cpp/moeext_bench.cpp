@@ -5,7 +5,8 @@
 // streaming copy measured by this binary in the same run (a case whose bytes stay in the cache
 // between calls, such as a small zero_tail tail, can pass 100%).
 //
-//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16] [--threads N]
+//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16]
+//                [--threads N]
 #include <omp.h>
 
 #if defined(__x86_64__)
@@ -38,6 +39,12 @@ struct Options {
   bool quick = false;
   bool csv = false;
   std::regex filter{".*"};
+
+  // Whether the case "op shape" runs. Cases are built only when selected: generating every
+  // case's inputs took 25-30 of the 41 s a run of one filtered case took.
+  bool selects(const std::string& op, const std::string& shape) const {
+    return std::regex_search(op + " " + shape, filter);
+  }
 };
 
 struct Case {
@@ -215,6 +222,8 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
                                                                        4096, 16384};
   for (const Preset& preset : kPresets) {
     for (int64_t t : tokens) {
+      const std::string shape = std::string(preset.name) + " T=" + std::to_string(t);
+      if (!opt.selects("grouped_topk", shape)) continue;
       auto data = std::make_shared<TopkData>();
       const double in_bytes = double(t) * preset.experts * 2;
       const int rot = rotations_for(in_bytes);
@@ -251,23 +260,21 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
       const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
       const double bytes = in_bytes + (preset.bias ? preset.experts * 4.0 : 0.0) +
                            double(t) * preset.topk * 8;
-      cases.push_back({"grouped_topk", std::string(preset.name) + " T=" + std::to_string(t),
-                       bytes, rot, [data, p, grain](int i) mutable {
-                         p.gating_output = data->logits[size_t(i)].data();
-                         const int64_t threads = std::min<int64_t>(
-                             omp_get_max_threads(), (p.num_tokens + grain - 1) / grain);
-                         if (threads <= 1) {
-                           moeext::biased_grouped_topk_cpu(p, 0, p.num_tokens);
-                           return;
-                         }
-                         const int64_t chunk = (p.num_tokens + threads - 1) / threads;
+      cases.push_back({"grouped_topk", shape, bytes, rot, [data, p, grain](int i) mutable {
+        p.gating_output = data->logits[size_t(i)].data();
+        const int64_t threads =
+            std::min<int64_t>(omp_get_max_threads(), (p.num_tokens + grain - 1) / grain);
+        if (threads <= 1) {
+          moeext::biased_grouped_topk_cpu(p, 0, p.num_tokens);
+          return;
+        }
+        const int64_t chunk = (p.num_tokens + threads - 1) / threads;
 #pragma omp parallel for schedule(static) num_threads(int(threads))
-                         for (int64_t c = 0; c < threads; ++c) {
-                           moeext::biased_grouped_topk_cpu(
-                               p, std::min(p.num_tokens, c * chunk),
-                               std::min(p.num_tokens, (c + 1) * chunk));
-                         }
-                       }});
+        for (int64_t c = 0; c < threads; ++c) {
+          moeext::biased_grouped_topk_cpu(p, std::min(p.num_tokens, c * chunk),
+                                          std::min(p.num_tokens, (c + 1) * chunk));
+        }
+      }});
     }
   }
 }
@@ -303,6 +310,10 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
   for (const bool prepacked : {false, true}) {
     for (int64_t experts : {int64_t(256), int64_t(384)}) {
       for (int64_t t : tokens) {
+        const std::string op = prepacked ? "router_gemm prepacked" : "router_gemm";
+        const std::string shape =
+            "E=" + std::to_string(experts) + " H=7168 T=" + std::to_string(t);
+        if (!opt.selects(op, shape)) continue;
         auto data = std::make_shared<GemmData>();
         const double weight_bytes = double(experts * hidden * 2);
         // The weight is what streams from memory; rotate it so T = 1 reads DRAM, not the LLC.
@@ -329,24 +340,21 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
         p.hidden_size = hidden;
         p.num_experts = experts;
         const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
-        cases.push_back(
-            {prepacked ? "router_gemm prepacked" : "router_gemm",
-             "E=" + std::to_string(experts) + " H=7168 T=" + std::to_string(t), bytes, rot,
-             [data, p](int i) mutable {
-               p.weight = data->weights[size_t(i)].data();
-               // Split the experts over the threads as the binding does.
-               const int64_t block = p.weight_prepacked ? moeext::kRouterPackTile
-                                                        : moeext::router_gemm_expert_block();
-               const int64_t blocks = (p.num_experts + block - 1) / block;
-               const int64_t threads = omp_get_max_threads();
-               const int64_t per = (blocks + threads - 1) / threads * block;
+        cases.push_back({op, shape, bytes, rot, [data, p](int i) mutable {
+          p.weight = data->weights[size_t(i)].data();
+          // Split the experts over the threads as the binding does.
+          const int64_t block = p.weight_prepacked ? moeext::kRouterPackTile
+                                                   : moeext::router_gemm_expert_block();
+          const int64_t blocks = (p.num_experts + block - 1) / block;
+          const int64_t threads = omp_get_max_threads();
+          const int64_t per = (blocks + threads - 1) / threads * block;
 #pragma omp parallel for schedule(static)
-               for (int64_t c = 0; c < threads; ++c) {
-                 const int64_t begin = c * per;
-                 const int64_t end = std::min(p.num_experts, begin + per);
-                 if (begin < end) moeext::router_gemm_cpu(p, begin, end);
-               }
-             }});
+          for (int64_t c = 0; c < threads; ++c) {
+            const int64_t begin = c * per;
+            const int64_t end = std::min(p.num_experts, begin + per);
+            if (begin < end) moeext::router_gemm_cpu(p, begin, end);
+          }
+        }});
       }
     }
   }
@@ -356,9 +364,15 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
   // A DeepSeek-V3-sized w13 slice: experts x [4096, 3584] packed fp4 bytes (K = 7168).
   const int64_t experts = opt.quick ? 2 : 8, rows = 4096, row_bytes = 3584;
   const size_t weight_bytes = size_t(experts * rows * row_bytes);
-  auto src = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0x3c);
-  auto dst = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0);
+  std::shared_ptr<std::vector<uint8_t>> src, dst;  // shared by both cases, made for the first
   for (bool gate_up : {false, true}) {
+    const std::string shape =
+        std::to_string(experts) + "x[4096,3584]B" + (gate_up ? " gate_up" : "");
+    if (!opt.selects("shuffle_weight", shape)) continue;
+    if (!src) {
+      src = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0x3c);
+      dst = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0);
+    }
     moeext::ShuffleWeightParams p;
     p.logical = src->data();
     p.logical_row_stride = row_bytes;
@@ -369,14 +383,15 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
     p.row_bytes = row_bytes;
     p.gate_up = gate_up;
     const int64_t bands = experts * rows / 16;
-    cases.push_back({"shuffle_weight",
-                     std::to_string(experts) + "x[4096,3584]B" + (gate_up ? " gate_up" : ""),
-                     2.0 * double(weight_bytes), 1, [src, dst, p, bands](int) {
+    cases.push_back({"shuffle_weight", shape, 2.0 * double(weight_bytes), 1,
+                     [src, dst, p, bands](int) {
 #pragma omp parallel for schedule(static)
                        for (int64_t b = 0; b < bands; ++b) moeext::shuffle_weight_cpu(p, b, b + 1);
                      }});
   }
   const int64_t m = experts * rows, n = 224;  // one E8M0 scale per 32 fp4 values
+  const std::string shape = "[" + std::to_string(m) + ",224]";
+  if (!opt.selects("e8m0_shuffle", shape)) return;
   const int64_t padded_m = (m + 255) / 256 * 256, padded_n = (n + 7) / 8 * 8;
   auto scales = std::make_shared<std::vector<uint8_t>>(size_t(m * n), 0x7f);
   auto shuffled = std::make_shared<std::vector<uint8_t>>(size_t(padded_m * padded_n), 0);
@@ -388,7 +403,7 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
   sp.padded_m = padded_m;
   sp.padded_n = padded_n;
   sp.shuffled = shuffled->data();
-  cases.push_back({"e8m0_shuffle", "[" + std::to_string(m) + ",224]", double(m * n + padded_m * padded_n), 1,
+  cases.push_back({"e8m0_shuffle", shape, double(m * n + padded_m * padded_n), 1,
                    [scales, shuffled, sp](int) {
                      const int64_t blocks = sp.padded_m / 32;
 #pragma omp parallel for schedule(static)
@@ -398,8 +413,13 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
 
 void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
   const int64_t rows = (opt.quick ? 4 : 64) * (int64_t(1) << 20) / 4;  // int32 elements
-  auto buf = std::make_shared<std::vector<int32_t>>(size_t(rows), 0);
+  std::shared_ptr<std::vector<int32_t>> buf;  // shared by the cases, made for the first
   for (double tail : {0.0, 0.01, 0.10, 1.0}) {
+    char shape[64];
+    std::snprintf(shape, sizeof(shape), "%lldMiB int32 tail=%g%%", (long long)(rows * 4 >> 20),
+                  tail * 100);
+    if (!opt.selects("zero_tail", shape)) continue;
+    if (!buf) buf = std::make_shared<std::vector<int32_t>>(size_t(rows), 0);
     moeext::ZeroRowsParams p;
     p.data = buf->data();
     p.row_stride = 4;
@@ -407,9 +427,6 @@ void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
     p.row_begin = rows - int64_t(double(rows) * tail);
     p.row_end = rows;
     const int64_t chunk = int64_t(1) << 18;  // 1 MiB of int32 per task, as in the binding
-    char shape[64];
-    std::snprintf(shape, sizeof(shape), "%lldMiB int32 tail=%g%%", (long long)(rows * 4 >> 20),
-                  tail * 100);
     cases.push_back({"zero_tail", shape, 4.0 * double(p.row_end - p.row_begin), 1,
                      [buf, p, chunk](int) {
                        const int64_t chunks = (p.row_end - p.row_begin + chunk - 1) / chunk;
@@ -469,6 +486,10 @@ int main(int argc, char** argv) {
   add_router_gemm(all, opt);
   add_shuffles(all, opt);
   add_zero_tail(all, opt);
+  if (all.empty()) {
+    std::fprintf(stderr, "--filter matches no case\n");
+    return 2;
+  }
 
   const double peak = measure_peak_gbs(opt);
   const double dot_peak = measure_peak_bf16_gmacs(opt);
@@ -485,7 +506,6 @@ int main(int argc, char** argv) {
                 "samples", "median_us", "noise_%", "bytes", "GB/s", "%peak");
   }
   for (const Case& c : all) {
-    if (!std::regex_search(c.op + " " + c.shape, opt.filter)) continue;
     const Result r = measure(c, opt);
     const double gbs = c.bytes / (r.median_us * 1e-6) / 1e9;
     if (opt.csv) {
