@@ -149,6 +149,23 @@ def test_shuffle_weight_non_contiguous(device):
     assert_same_bytes(moeext.unshuffle_weight(view), base[:, :64, :128])
 
 
+def test_shuffle_weight_ignores_the_strides_of_size_one_dims(device):
+    # torch counts these views contiguous whatever their size-1 dims' strides say; read as
+    # the batch stride, dim -3's stride of the first sent the second expert out of the storage.
+    base = random_bytes((1, 2, 32, 64), torch.uint8, seed=8, device=device)
+    for w in (base.transpose(0, 1),  # [2, 1, 32, 64] whose dim -3 strides 4096 bytes
+              base.as_strided((2, 1, 1, 32, 64), (2048, 5, 0, 64, 1)),
+              base.as_strided((1, 2, 32, 64), (7, 2048, 64, 1))):
+        assert w.is_contiguous()
+        out = moeext.shuffle_weight(w)
+        assert_same_bytes(out, reference.shuffle_weight(to_cpu(w).clone()))
+        assert_same_bytes(moeext.unshuffle_weight(out), w)
+    # An empty view with a strided last dim reads nothing, as unshuffle_weight already took.
+    empty = torch.empty(0, 32, dtype=torch.uint8, device=device).t()
+    assert moeext.shuffle_weight(empty).shape == (32, 0)
+    assert moeext.unshuffle_weight(empty).shape == (32, 0)
+
+
 @pytest.mark.parametrize("dtype", SCALE_DTYPES, ids=str)
 # Tiles per block (n / 8): 0-2 take the 16-byte path only, 5 and 7 the 32-byte path and a rest.
 @pytest.mark.parametrize("shape", [(1, 1), (37, 11), (256, 8), (257, 9), (512, 224), (0, 5),

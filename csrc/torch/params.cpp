@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -337,6 +338,28 @@ void check_zero_tail_state(const at::Tensor& buf, const at::Tensor& state, const
               " but buf is on ", buf.device());
 }
 
+namespace {
+
+// The one stride, in elements, that steps through t's leading dims [..., N, K] flattened to
+// [B, N, K], or none where no single stride does. Dims of size 1 are passed over: torch leaves
+// their strides arbitrary and counts a tensor contiguous whatever they are, so its contiguous()
+// returns such a view as it is, and reading the batch stride off dim -3 stepped out of the
+// tensor's memory for [2, 1, N, K] views of a [1, 2, N, K] tensor.
+std::optional<int64_t> flat_batch_stride(const at::Tensor& t) {
+  std::optional<int64_t> stride;  // of the innermost leading dim of size > 1
+  int64_t outer = 0;              // the stride the next such dim out must have
+  for (int64_t d = t.dim() - 3; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (stride && t.stride(d) != outer) return std::nullopt;
+    if (!stride) stride = t.stride(d);
+    outer = t.stride(d) * t.size(d);
+  }
+  // No leading dim of size > 1: one batch, whose stride is never used.
+  return stride.value_or(t.size(-2) * t.stride(-2));
+}
+
+}  // namespace
+
 ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* shuffled,
                                                at::IntArrayRef layout, bool gate_up,
                                                const char* op) {
@@ -367,7 +390,12 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
     TORCH_CHECK(rows % 32 == 0, op, ": gate_up=True needs 2N (", rows,
                 ") to be a multiple of 32 (16-row gate/up blocks)");
   }
-  TORCH_CHECK(logical.stride(-1) == 1, op, ": w must have a contiguous last dimension");
+  // An empty w reads nothing, and torch's contiguous() returns empty views as they are.
+  TORCH_CHECK(logical.stride(-1) == 1 || logical.numel() == 0, op,
+              ": w must have a contiguous last dimension");
+  // shuffle_weight_source's tensor or a new one: one batch stride, unless w is empty.
+  const std::optional<int64_t> batch_stride = flat_batch_stride(logical);
+  TORCH_INTERNAL_ASSERT(batch_stride.has_value() || logical.numel() == 0);
   ShuffleWeightParams p;
   p.logical = logical.data_ptr();
   p.shuffled = shuffled;
@@ -378,24 +406,13 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
   p.logical_row_stride = logical.stride(-2) * element;
   p.batch = 1;
   for (int64_t d = 0; d + 2 < logical.dim(); ++d) p.batch *= logical.size(d);
-  p.logical_batch_stride = rows * p.logical_row_stride;
-  if (logical.dim() >= 3) p.logical_batch_stride = logical.stride(-3) * element;
+  p.logical_batch_stride = batch_stride.value_or(0) * element;
   return p;
 }
 
-namespace {
-
-bool leading_dims_flatten(const at::Tensor& t) {
-  for (int64_t d = t.dim() - 4; d >= 0; --d) {
-    if (t.size(d) != 1 && t.stride(d) != t.stride(d + 1) * t.size(d + 1)) return false;
-  }
-  return true;
-}
-
-}  // namespace
-
 at::Tensor shuffle_weight_source(const at::Tensor& w) {
-  return (w.dim() >= 2 && w.stride(-1) == 1 && leading_dims_flatten(w)) ? w : w.contiguous();
+  const bool rows_dense = w.dim() >= 2 && (w.stride(-1) == 1 || w.numel() == 0);
+  return rows_dense && flat_batch_stride(w) ? w : w.contiguous();
 }
 
 namespace {
