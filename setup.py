@@ -64,8 +64,8 @@ def gpu_cmake_args():
     if force != "1" and not torch.version.cuda:
         return cpu_only
     if nvcc is None:
-        print("moeext: torch has CUDA but no nvcc was found; building the CPU kernels only",
-              file=sys.stderr)
+        print("moeext: torch has CUDA but no nvcc was found; building the CPU kernels only "
+              "(torch's CMake config still looks for a CUDA toolkit)", file=sys.stderr)
         return cpu_only
     archs = os.environ.get("MOEEXT_CUDA_ARCHS", "80;90a;100a")
     return ["-DMOEEXT_BUILD_CUDA=ON", "-DMOEEXT_BUILD_HIP=OFF", f"-DCMAKE_CUDA_COMPILER={nvcc}",
@@ -95,6 +95,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+            f"-DMOEEXT_TORCH_HAS_CUDA={'ON' if torch.version.cuda else 'OFF'}",
             *gpu_cmake_args(),
             *cpu_isa_cmake_args(),
         ]
