@@ -354,8 +354,7 @@ std::optional<int64_t> flat_batch_stride(const at::Tensor& t) {
     if (!stride) stride = t.stride(d);
     outer = t.stride(d) * t.size(d);
   }
-  // No leading dim of size > 1: one batch, whose stride is never used.
-  return stride.value_or(t.size(-2) * t.stride(-2));
+  return stride.value_or(0);  // one batch at most: its stride is never used
 }
 
 }  // namespace
@@ -411,8 +410,7 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
 }
 
 at::Tensor shuffle_weight_source(const at::Tensor& w) {
-  const bool rows_dense = w.dim() >= 2 && (w.stride(-1) == 1 || w.numel() == 0);
-  return rows_dense && flat_batch_stride(w) ? w : w.contiguous();
+  return w.dim() >= 2 && w.stride(-1) == 1 && flat_batch_stride(w) ? w : w.contiguous();
 }
 
 namespace {
