@@ -108,6 +108,20 @@ def test_fake_rejects_what_the_kernel_rejects():  # meta tensors only: no device
     assert ids.shape == (4, 8) and ids.dtype == torch.int32
 
 
+@pytest.mark.parametrize("device_of_call", ["cpu", "meta"])  # the kernel, then the fake
+def test_fake_and_kernel_reject_a_size_or_rank_alike(device_of_call):
+    # More experts than int32 ids hold: an expanded row, so nothing is allocated.
+    logits = torch.zeros(1, 1, device=device_of_call).expand(2, 2**31)
+    with pytest.raises(RuntimeError, match="num_experts must fit int32 expert ids, got 2147483648"):
+        moeext.biased_grouped_topk(logits, None, 1, 1, 1)
+    logits = torch.zeros(3, 16, device=device_of_call)
+    flat_weights = torch.zeros(6, device=device_of_call)
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=device_of_call)
+    message = r"topk_weights must be 2-D \[num_tokens, topk\], got 1-D"
+    with pytest.raises(RuntimeError, match=message):
+        moeext.biased_grouped_topk_out(logits, None, flat_weights, ids, 1, 1)
+
+
 def test_opcheck_zero_tail(device):
     for dtype in (torch.int32, torch.bfloat16, torch.uint8):
         buf = torch.ones(12, 3, device=device).to(dtype)

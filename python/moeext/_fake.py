@@ -1,8 +1,12 @@
 """Fake (meta) implementations of every moeext op, in one place.
 
 They give output shapes and dtypes without computing anything, so ``torch.compile`` and
-``torch.export`` can trace the ops with symbolic sizes. They reject what the kernels reject,
-with the same words (csrc/torch/params.cpp), so an error surfaces at trace time too.
+``torch.export`` can trace the ops with symbolic sizes. They reject the arguments, shapes,
+dtypes and devices the kernels reject, in the kernels' words (csrc/torch/params.cpp; dtypes
+spelled as Python spells them), so such an error surfaces at trace time too. Strides and
+shared memory (rows that must be contiguous or apart, outputs overlapping inputs) only the
+kernels check: in a compiled graph the op raises those when it runs, before it writes
+anything, as an eager call does.
 """
 
 import torch
@@ -33,6 +37,8 @@ def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, to
     )
     _check_float_dtype(op, "gating_output", gating_output)
     num_experts = gating_output.shape[1]
+    torch._check(num_experts <= 2**31 - 1,
+                 lambda: f"{op}: num_experts must fit int32 expert ids, got {num_experts}")
     torch._check(num_expert_group >= 1,
                  lambda: f"{op}: num_expert_group must be >= 1, got {num_expert_group}")
     torch._check(num_experts % num_expert_group == 0,
@@ -83,6 +89,8 @@ def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, 
                         scoring_func)
     for name, out, dtype in (("topk_weights", topk_weights, torch.float32),
                              ("topk_ids", topk_ids, torch.int32)):
+        torch._check(out.dim() == 2,
+                     lambda: f"{op}: {name} must be 2-D [num_tokens, topk], got {out.dim()}-D")
         torch._check(out.dtype == dtype, lambda: f"{op}: {name} must be {dtype}, got {out.dtype}")
         torch._check(out.device == gating_output.device,
                      lambda: f"{op}: {name} is on {out.device} but gating_output is on "
