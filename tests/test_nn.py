@@ -115,6 +115,20 @@ def test_from_config_matches_the_preset(config, expected):  # configuration only
     assert ("e_score_correction_bias" in router.state_dict()) == p.has_bias
 
 
+def test_from_config_keywords_override_every_setting():  # configuration only
+    router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, hidden_size=64, num_experts=32,
+                                           top_k=4)
+    assert (router.hidden_size, router.num_experts, router.top_k) == (64, 32, 4)
+    assert router.weight.shape == (32, 64)
+    sizes = dict(hidden_size=48, n_routed_experts=16)
+    for key, name in (("hidden_size", "hidden_size"), ("n_routed_experts", "num_experts")):
+        config = {k: v for k, v in sizes.items() if k != key}
+        with pytest.raises(ValueError, match=f"the config has no '{key}' \\(or pass {name}="):
+            GroupedTopKRouter.from_config(config, top_k=4)
+        router = GroupedTopKRouter.from_config(config, top_k=4, **{name: 16})
+        assert router.weight.shape == (16, 48 if key == "n_routed_experts" else 16)
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_routes_like_the_reference(device, preset):
     router = GroupedTopKRouter.from_preset(preset, 96)  # built on the CPU, then moved
@@ -139,6 +153,10 @@ def test_bf16_logits(device):
     assert torch.equal(logits, moeext.router_gemm(hidden, router.weight, torch.bfloat16))
     with pytest.raises(ValueError, match="logits_dtype must be torch.float32 or torch.bfloat16"):
         GroupedTopKRouter(8, 4, logits_dtype=torch.float16)
+    # A weight router_gemm cannot read fails when built, not at the first forward.
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16, torch.float16 or "
+                                         "torch.float32, got torch.float64"):
+        GroupedTopKRouter(8, 4, top_k=2, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("kwargs,message", [

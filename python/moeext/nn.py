@@ -43,7 +43,8 @@ class GroupedTopKRouter(torch.nn.Module):
         logits_dtype: dtype of the router logits: ``torch.float32`` (the default, exact
             sums) or ``torch.bfloat16`` (rounded once; saves the widening when a router
             reads bf16 logits anyway).
-        dtype: dtype of ``weight`` (the checkpoint's: bf16), hence of the hidden states.
+        dtype: dtype of ``weight`` (the checkpoint's: bf16), hence of the hidden states:
+            bf16, fp16 or fp32, as ``router_gemm`` reads them.
         device: where the parameters live.
         prepack_weight: hold ``weight`` in the layout of :func:`moeext.prepack_router_weight`
             (bf16 on the CPU only), which ``router_gemm`` reads faster for decode batches of
@@ -55,8 +56,8 @@ class GroupedTopKRouter(torch.nn.Module):
 
     Raises:
         ValueError: when built with settings the routing op would refuse at the first
-            ``forward`` (its own message), a ``logits_dtype`` other than the two above, or
-            ``prepack_weight`` off the CPU or without bf16.
+            ``forward`` (its own message), a ``logits_dtype`` or ``dtype`` other than the
+            ones above, or ``prepack_weight`` off the CPU or without bf16.
     """
 
     def __init__(
@@ -79,6 +80,9 @@ class GroupedTopKRouter(torch.nn.Module):
         if logits_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"GroupedTopKRouter: logits_dtype must be torch.float32 or "
                              f"torch.bfloat16, got {logits_dtype}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # router_gemm's
+            raise ValueError(f"GroupedTopKRouter: dtype must be torch.bfloat16, torch.float16 "
+                             f"or torch.float32, got {dtype}")
         try:  # the routing op's own checks, on no data: a bad setting fails here, not later
             torch.ops.moeext.biased_grouped_topk(
                 torch.empty(0, num_experts, device="meta"), None, num_expert_group, topk_group,
@@ -143,8 +147,17 @@ class GroupedTopKRouter(torch.nn.Module):
         ``scoring_func`` (default ``"sigmoid"``, as GLM-4.5's config leaves it out) and
         ``topk_method``: ``"noaux_tc"`` routes with the correction bias, the DeepSeek-V2
         methods (``"greedy"``, ``"group_limited_greedy"``) without. ``kwargs`` go to the
-        constructor and override the config.
+        constructor and override the config, ``hidden_size`` and ``num_experts`` included;
+        a size neither gives raises ValueError.
         """
+        sizes = {}
+        for name, key in (("hidden_size", "hidden_size"), ("num_experts", "n_routed_experts")):
+            sizes[name] = kwargs.pop(name, None)
+            if sizes[name] is None:
+                sizes[name] = _config_get(config, key, None)
+            if sizes[name] is None:
+                raise ValueError(f"GroupedTopKRouter.from_config: the config has no '{key}' "
+                                 f"(or pass {name}=...)")
         topk_method = _config_get(config, "topk_method", "noaux_tc")
         params = dict(
             num_expert_group=_config_get(config, "n_group", None) or 1,
@@ -156,8 +169,7 @@ class GroupedTopKRouter(torch.nn.Module):
             has_bias=topk_method == "noaux_tc",
         )
         params.update(kwargs)
-        return cls(_config_get(config, "hidden_size", None),
-                   _config_get(config, "n_routed_experts", None), **params)
+        return cls(sizes["hidden_size"], sizes["num_experts"], **params)
 
     def forward(
         self, hidden_states: torch.Tensor, return_logits: bool = False
