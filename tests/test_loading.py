@@ -312,8 +312,12 @@ def test_slots_torch_cannot_write_whole_raise_before_any_write(device):
 def test_a_checkpoint_sharing_the_slots_memory_is_refused(device):
     base = torch.arange(24.0, device=device).view(12, 2)
     before = base.clone()
-    with pytest.raises(ValueError, match="param_slot and checkpoint_tensor share memory"):
+    overlap = "param_slot and checkpoint_tensor overlap in memory"
+    with pytest.raises(ValueError, match=overlap):
         loading.load_shard_(base[:4], base[2:10], 0, 0, 2)
+    # Columns of one tensor share no element, but their ranges intersect: refused as well.
+    with pytest.raises(ValueError, match=overlap + r" \(their byte ranges in one storage"):
+        loading.load_shard_(base[:, :1], base[:, 1:], 0, 0, 1)
     assert torch.equal(base, before)
     loading.load_shard_(base[:4], base[4:12], 0, 1, 2)  # apart in one allocation: fine
     assert torch.equal(base[:4], before[8:12])

@@ -78,8 +78,10 @@ def _check_slot_writable(op: str, slot: torch.Tensor, ckpt: torch.Tensor) -> Non
             and ckpt.numel() > 0):
         (slot_begin, slot_end), (ckpt_begin, ckpt_end) = _byte_span(slot), _byte_span(ckpt)
         if slot_begin < ckpt_end and ckpt_begin < slot_end:
-            raise ValueError(f"{op}: param_slot and checkpoint_tensor share memory; the "
-                             f"checkpoint must be a tensor of its own")
+            # Spans, not elements: interleaved views of one tensor are refused too.
+            raise ValueError(f"{op}: param_slot and checkpoint_tensor overlap in memory (their "
+                             f"byte ranges in one storage intersect); the checkpoint must be a "
+                             f"tensor of its own")
 
 
 def _has_zero_tail_kernel(device: torch.device) -> bool:
@@ -148,8 +150,9 @@ def load_shard_(
         fused); ``stop - start`` rows were loaded (per half) and the rest of the slot zeroed.
 
     Raises:
-        ValueError: naming the argument, for any argument outside the above; nothing is
-        written then.
+        ValueError: naming the argument, for any argument outside the above, and for a slot
+        and checkpoint whose byte ranges intersect (views of one tensor, even interleaved
+        ones that share no element); nothing is written then.
     """
     op = "load_shard_"
     for name, t in (("param_slot", param_slot), ("checkpoint_tensor", checkpoint_tensor)):
