@@ -576,6 +576,21 @@ def test_invalid_arguments(device, change, message, caller):
         assert bool((weights == -3.0).all()) and bool((ids == -3).all())
 
 
+def test_none_for_a_tensor_is_named(device):
+    # torch.ops passes None on as an undefined tensor, whose error names no argument; the
+    # wrappers name it, and the _out form writes nothing.
+    args = _valid_args(device)
+    with pytest.raises(RuntimeError, match="biased_grouped_topk: gating_output must be a "
+                                           "tensor, got None"):
+        moeext.biased_grouped_topk(**{**args, "gating_output": None})
+    del args["topk"]
+    ids = torch.full((4, 8), -3, dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="biased_grouped_topk_out: topk_weights must be a "
+                                           "tensor, got None"):
+        moeext.biased_grouped_topk_out(**args, topk_weights=None, topk_ids=ids)
+    assert bool((ids == -3).all())
+
+
 INVALID_OUT = [
     (lambda d: dict(topk_weights=torch.zeros(4, 8, dtype=torch.float64, device=d)),
      "topk_weights must be Float"),

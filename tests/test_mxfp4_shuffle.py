@@ -266,6 +266,12 @@ INVALID_CASES = [
     (lambda d: moeext.e8m0_unshuffle(torch.zeros(256, 8, dtype=torch.uint8, device=d), 96, 8,
                                      gate_up=True, num_experts=2),
      "groups of 2N rows with 2N a multiple of 32"),
+    # torch.ops would pass None on as an undefined tensor and name nothing.
+    (lambda d: moeext.shuffle_weight(None), "shuffle_weight: w must be a tensor, got None"),
+    (lambda d: moeext.unshuffle_weight(None), "unshuffle_weight: w must be a tensor, got None"),
+    (lambda d: moeext.e8m0_shuffle(None), "e8m0_shuffle: scale must be a tensor, got None"),
+    (lambda d: moeext.e8m0_unshuffle(None, 2, 2),
+     "e8m0_unshuffle: shuffled must be a tensor, got None"),
 ]
 
 

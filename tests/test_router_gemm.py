@@ -222,6 +222,14 @@ def test_errors_name_the_argument(device, make_args, message):
         moeext.router_gemm(*args)
 
 
+def test_none_for_a_tensor_is_named(device):
+    # torch.ops passes None on as an undefined tensor, whose error names no argument.
+    with pytest.raises(RuntimeError, match="router_gemm: hidden_states must be a tensor, got None"):
+        moeext.router_gemm(None, torch.randn(3, 4, device=device))
+    with pytest.raises(RuntimeError, match="router_gemm: weight must be a tensor, got None"):
+        moeext.router_gemm(torch.randn(2, 4, device=device), None)
+
+
 # Strides are the kernel's concern (the fake's outputs are fresh tensors), and the device
 # case needs one real device.
 FAKE_ERROR_CASES = [c for c in ERROR_CASES[:-1] if "contiguous rows" not in c[1]]

@@ -139,6 +139,10 @@ INVALID_CASES = [
      "buf has rows that share memory"),
     (lambda b, s: moeext.zero_tail_tracked_(b[:4], b.view(torch.int64)[2, :1], 1),
      "state shares memory with buf"),
+    # torch.ops would pass None on as an undefined tensor and name nothing.
+    (lambda b, s: moeext.zero_tail_(None, 0, 3), "zero_tail_: buf must be a tensor, got None"),
+    (lambda b, s: moeext.zero_tail_tracked_(b, None, 1),
+     "zero_tail_tracked_: state must be a tensor, got None"),
 ]
 
 

@@ -5,7 +5,8 @@ registered op, so they trace under ``torch.compile(fullgraph=True)`` exactly lik
 The wrappers called at every decode step (routing, router GEMM, tail zeroing) reach their op
 through a direct call in ``moeext._C`` where the arguments are of the plain Python types
 (about half the time of ``torch.ops``' generic argument conversion); the op, its dispatch
-and its errors are the same.
+and its errors are the same. The one error of their own: None where a tensor goes raises a
+RuntimeError naming the argument, where ``torch.ops`` would pass on an undefined tensor.
 """
 
 from typing import List, Optional, Tuple
@@ -24,6 +25,16 @@ _call_biased_grouped_topk_out = _C.call_biased_grouped_topk_out
 _call_router_gemm = _C.call_router_gemm
 _call_zero_tail = _C.call_zero_tail
 _call_zero_tail_tracked = _C.call_zero_tail_tracked
+
+
+# torch.ops passes None on as an undefined tensor, and then the error names no argument
+# ("tensor does not have a device"), or no kernel is found where it was the only tensor.
+# The wrappers check where they call torch.ops, outside TorchScript (whose types exclude None).
+def _check_tensors(op: str, **tensors: Optional[torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is None:
+            raise RuntimeError(f"{op}: {name} must be a tensor, got None")
+
 
 __all__ = [
     "biased_grouped_topk",
@@ -112,6 +123,7 @@ def biased_grouped_topk(
         )
         if out is not NotImplemented:
             return out
+        _check_tensors("biased_grouped_topk", gating_output=gating_output)
     return torch.ops.moeext.biased_grouped_topk(
         gating_output,
         correction_bias,
@@ -163,6 +175,8 @@ def biased_grouped_topk_out(
         )
         if out is not NotImplemented:
             return
+        _check_tensors("biased_grouped_topk_out", gating_output=gating_output,
+                       topk_weights=topk_weights, topk_ids=topk_ids)
     torch.ops.moeext.biased_grouped_topk_out(
         gating_output,
         correction_bias,
@@ -218,6 +232,7 @@ def router_gemm(
         out = _call_router_gemm(hidden_states, weight, out_dtype)
         if out is not NotImplemented:
             return out
+        _check_tensors("router_gemm", hidden_states=hidden_states, weight=weight)
     return torch.ops.moeext.router_gemm(hidden_states, weight, out_dtype)
 
 
@@ -305,6 +320,7 @@ def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
     if not _is_scripting() and not _is_dynamo_compiling():
         if _call_zero_tail(buf, new_extent, prev_extent) is not NotImplemented:
             return
+        _check_tensors("zero_tail_", buf=buf)
     torch.ops.moeext.zero_tail_(buf, new_extent, prev_extent)
 
 
@@ -325,6 +341,7 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     if not _is_scripting() and not _is_dynamo_compiling():
         if _call_zero_tail_tracked(buf, state, new_extent) is not NotImplemented:
             return
+        _check_tensors("zero_tail_tracked_", buf=buf, state=state)
     torch.ops.moeext.zero_tail_tracked_(buf, state, new_extent)
 
 
@@ -360,12 +377,14 @@ def shuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
         A new contiguous tensor of ``w``'s shape and dtype. Where ``w`` requires grad (in
         grad mode) it is differentiable: the gradient goes back through the inverse move.
     """
+    _check_tensors("shuffle_weight", w=w)
     return torch.ops.moeext.shuffle_weight(w, _layout_arg("shuffle_weight", layout), gate_up)
 
 
 def unshuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
                      gate_up: bool = False) -> torch.Tensor:
     """Exact inverse of :func:`shuffle_weight` with the same ``layout`` and ``gate_up``."""
+    _check_tensors("unshuffle_weight", w=w)
     return torch.ops.moeext.unshuffle_weight(w, _layout_arg("unshuffle_weight", layout), gate_up)
 
 
@@ -385,12 +404,16 @@ def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False,
     ``num_experts`` and ``m / num_experts`` a multiple of 32. E8M0 codes are exponents:
     like integers, the result carries no gradient (it never requires grad).
     """
+    if not _is_scripting():
+        _check_tensors("e8m0_shuffle", scale=scale)
     return torch.ops.moeext.e8m0_shuffle(scale, gate_up, num_experts)
 
 
 def e8m0_unshuffle(shuffled: torch.Tensor, m: int, n: int, gate_up: bool = False,
                    num_experts: Optional[int] = None) -> torch.Tensor:
     """Inverse of :func:`e8m0_shuffle`: the original ``[m, n]`` scales, padding dropped."""
+    if not _is_scripting():
+        _check_tensors("e8m0_unshuffle", shuffled=shuffled)
     return torch.ops.moeext.e8m0_unshuffle(shuffled, m, n, gate_up, num_experts)
 
 
