@@ -288,6 +288,19 @@ def test_slots_torch_cannot_write_whole_raise_before_any_write(device):
     with pytest.raises(ValueError, match="param_slot has elements that share memory"):
         loading.load_shard_(row.expand(4, 2), ckpt, 0, 1, 2)
     assert bool((row == 7).all())
+    # Rows that overlap without a zero stride, which torch's overlap check cannot decide:
+    # refused before the copy, not by zero_tail_ after it (nor written over, along dim 1).
+    raw = torch.full((6,), 7.0, device=device)
+    for slot, checkpoint, dim in ((raw.as_strided((3, 2), (1, 1)), ckpt, 0),
+                                  (raw.as_strided((2, 3), (2, 1)), ckpt.t(), 1)):
+        with pytest.raises(ValueError, match="param_slot has elements that share memory"):
+            loading.load_shard_(slot, checkpoint.to(device), dim, 1, 4)
+        assert bool((raw == 7).all())
+    # Views of one tensor whose elements are apart all load: steps, permutes, narrows.
+    base = torch.zeros(4, 6, device=device)
+    loading.load_shard_(base[:, ::3], ckpt[:4], 0, 0, 1)
+    loading.load_shard_(base.t()[1::3].t(), ckpt[:4], 0, 0, 1)
+    assert base[:, 0::3].tolist() == ckpt[:4].tolist() == base[:, 1::3].tolist()
     # An inference tensor: copy_ writes the gate half before the up half is refused.
     with torch.inference_mode():
         slot = torch.full((4, 2), 7.0, device=device)

@@ -52,19 +52,39 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
+def _elements_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory, its dims taken in order of stride.
+
+    Each dim (of size > 1) must step past all that the smaller-stride dims span. Views of a
+    dense tensor (slices with steps, narrows, selects, permutes) always do; torch's own check
+    answers "too hard" for most non-contiguous views, and so let an as_strided slot that
+    overlaps itself through. Dims that interleave without sharing an element (strides 2 and 3
+    over sizes 3 and 2, say) count as not apart.
+    """
+    if t.numel() == 0:
+        return True
+    span = 0  # the largest offset the dims taken so far reach
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
 def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _check_slot_writable(op: str, slot: torch.Tensor, ckpt: torch.Tensor) -> None:
-    # What torch's copy_ and zero_tail_ would refuse, refused before the first write: a fused
-    # slot's gate half is copied before its up half could fail, and every copy before the
-    # zeroing.
-    if torch._debug_has_internal_overlap(slot) == 1:
-        raise ValueError(f"{op}: param_slot has elements that share memory (shape "
-                         f"{tuple(slot.shape)}, strides {slot.stride()}, e.g. an expanded "
-                         f"view); every element needs its own")
+    # What torch's copy_ and zero_tail_ would refuse, and slots whose elements overlap (their
+    # result would depend on the order of the writes), refused before the first write: a
+    # fused slot's gate half is copied before its up half could fail, and every copy before
+    # the zeroing.
+    if not _elements_apart(slot):
+        raise ValueError(f"{op}: param_slot has elements that share memory, or dims that "
+                         f"interleave (shape {tuple(slot.shape)}, strides {slot.stride()}, e.g. "
+                         f"an expanded view); every element needs memory of its own")
     if slot.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"{op}: param_slot is an inference tensor, writable only inside "
                          f"torch.inference_mode()")
