@@ -100,7 +100,7 @@ void check_case(int64_t tokens, int64_t hidden, int64_t experts, DType dtype, bo
   p.hidden_size = hidden;
   p.num_experts = experts;
   // Two callers' ranges, split where the bindings may split.
-  const int64_t block = packed ? kRouterPackTile : moeext::router_gemm_expert_block();
+  const int64_t block = moeext::router_gemm_expert_block(p);
   const int64_t split = std::min(experts, (experts / 2 + block - 1) / block * block);
   moeext::router_gemm_cpu(p, 0, split);
   moeext::router_gemm_cpu(p, split, experts);

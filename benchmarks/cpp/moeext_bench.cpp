@@ -343,8 +343,7 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
         cases.push_back({op, shape, bytes, rot, [data, p](int i) mutable {
           p.weight = data->weights[size_t(i)].data();
           // Split the experts over the threads as the binding does.
-          const int64_t block = p.weight_prepacked ? moeext::kRouterPackTile
-                                                   : moeext::router_gemm_expert_block();
+          const int64_t block = moeext::router_gemm_expert_block(p);
           const int64_t blocks = (p.num_experts + block - 1) / block;
           const int64_t threads = omp_get_max_threads();
           const int64_t per = (blocks + threads - 1) / threads * block;

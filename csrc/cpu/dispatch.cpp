@@ -220,7 +220,8 @@ void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t ex
   }
 }
 
-int64_t router_gemm_expert_block() {
+int64_t router_gemm_expert_block(const RouterGemmParams& params) {
+  if (params.weight_prepacked) return kRouterPackTile;
   switch (cpu_isa_active()) {
     case CpuIsa::kAvx512Bf16:
 #if defined(MOEEXT_HAVE_AVX512BF16)

@@ -30,7 +30,7 @@ void move_band(const ShuffleWeightParams& p, int64_t band_index) {
   unsigned char* shuffled = static_cast<unsigned char*>(p.shuffled) +
                             (b * p.rows + n0 * p.band) * p.row_bytes;
   // Pointers to the band's logical rows, resolved once (gate/up interleave included).
-  unsigned char* rows[256];
+  unsigned char* rows[kMaxShuffleBand];
   for (int64_t n1 = 0; n1 < p.band; ++n1) {
     const int64_t n = n0 * p.band + n1;
     const int64_t src_row = p.gate_up ? gate_up_source_row(n, p.rows) : n;

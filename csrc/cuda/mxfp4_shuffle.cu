@@ -73,7 +73,10 @@ __global__ void __launch_bounds__(kMaxThreads) shuffle_weight_kernel(ShuffleWeig
 }
 
 const char* check_weight_params(const ShuffleWeightParams& p) {
-  if (p.band < 1 || p.band > 256) return "shuffle_weight_cuda: band must be in [1, 256]";
+  static_assert(kMaxShuffleBand <= kMaxThreads, "a block holds a thread per row of a band");
+  if (p.band < 1 || p.band > kMaxShuffleBand) {
+    return "shuffle_weight_cuda: band must be in [1, kMaxShuffleBand]";
+  }
   if (p.batch < 0 || p.rows < 0 || p.row_bytes < 0) {
     return "shuffle_weight_cuda: negative size";
   }

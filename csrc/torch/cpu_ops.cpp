@@ -92,7 +92,7 @@ at::Tensor router_gemm_cpu_impl(const at::Tensor& hidden_states, const at::Tenso
   // every token for it (a prepacked weight at its tiles). A chunk should carry at least ~512k
   // multiply-adds (a few us, more than a thread wake-up costs), so small gates stay on the
   // calling thread.
-  const int64_t block = p.weight_prepacked ? kRouterPackTile : router_gemm_expert_block();
+  const int64_t block = router_gemm_expert_block(p);
   const int64_t num_blocks = (p.num_experts + block - 1) / block;
   const int64_t work_per_block = block * std::max<int64_t>(1, p.hidden_size) * p.num_tokens;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / work_per_block);

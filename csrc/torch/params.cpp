@@ -371,8 +371,8 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
   TORCH_CHECK(layout.size() == 2, op, ": layout must be (IN, IK), got ", layout);
   const int64_t band = layout[0], ik = layout[1];
   const int64_t chunk = 16 / element;  // elements in a 16-byte chunk
-  TORCH_CHECK(band >= 1 && band <= 256, op, ": layout[0] (rows per band) must be in [1, 256], got ",
-              band);
+  TORCH_CHECK(band >= 1 && band <= kMaxShuffleBand, op,
+              ": layout[0] (rows per band) must be in [1, ", kMaxShuffleBand, "], got ", band);
   // 2 * ik is never formed: a layout[1] near 2^63 would wrap it into a divisor of K.
   TORCH_CHECK(ik >= 1 && ik % (chunk / 2) == 0, op, ": layout[1] (", ik,
               ") must make 2 * layout[1] a multiple of ", chunk, " elements (16 bytes of ",

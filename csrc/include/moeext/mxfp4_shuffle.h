@@ -8,6 +8,12 @@
 
 namespace moeext {
 
+// The CPU functions below take the preconditions the fields state as given (the torch glue
+// checks them); the CUDA launchers check them and return an error.
+
+// Most rows per band (layout[0]).
+constexpr int64_t kMaxShuffleBand = 256;
+
 // shuffle_weight / unshuffle_weight. The "logical" tensor is [batch, rows, row_bytes] with
 // any batch and row strides (bytes within a row contiguous); the shuffled one is dense.
 // Within each batch entry, row band n0 (band rows each) and 16-byte chunk column kc form one
@@ -24,7 +30,7 @@ struct ShuffleWeightParams {
   int64_t batch = 0;
   int64_t rows = 0;                // a multiple of band (and of 32 with gate_up)
   int64_t row_bytes = 0;           // a multiple of 16
-  int64_t band = 16;               // layout[0]
+  int64_t band = 16;               // layout[0], in [1, kMaxShuffleBand]
   bool gate_up = false;
 };
 
@@ -37,7 +43,7 @@ void unshuffle_weight_cpu(const ShuffleWeightParams& p, int64_t band_begin, int6
 // becomes one dense 256-byte block:
 //   shuffled[a*32*padded_n + d*256 + f*64 + c4*4 + e*2 + h] = padded[a*32 + h*16 + c4][d*8 + e*4 + f]
 // With rows_per_expert > 0, padded rows are first gate/up-interleaved in 16-row blocks inside
-// each expert's rows_per_expert rows (a multiple of 32).
+// each expert's rows_per_expert rows (a multiple of 32 that divides m).
 struct E8m0ShuffleParams {
   const uint8_t* scale = nullptr;  // [m, n]; read by shuffle
   uint8_t* unshuffled = nullptr;   // [m, n]; written by unshuffle (dense)
@@ -45,7 +51,7 @@ struct E8m0ShuffleParams {
   int64_t col_stride = 1;          // of `scale`
   int64_t m = 0, n = 0;
   int64_t padded_m = 0, padded_n = 0;
-  int64_t rows_per_expert = 0;     // 0: no gate/up interleave
+  int64_t rows_per_expert = 0;     // 0: no gate/up interleave; else divides m
   uint8_t* shuffled = nullptr;     // written by shuffle
   const uint8_t* shuffled_in = nullptr;  // read by unshuffle
 };

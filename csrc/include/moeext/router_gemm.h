@@ -35,12 +35,15 @@ struct RouterGemmParams {
 
 // Computes the logits of experts [expert_begin, expert_end) for every token, on the calling
 // thread, reading those weight rows from memory once. Callers split the experts over their
-// own pool, so each thread streams a disjoint slice of the weight.
+// own pool, so each thread streams a disjoint slice of the weight. expert_begin must be a
+// multiple of router_gemm_expert_block(params): a prepacked weight is read in whole tiles,
+// so a range starting inside one computes wrong logits and writes experts outside it.
 void router_gemm_cpu(const RouterGemmParams& params, int64_t expert_begin, int64_t expert_end);
 
-// The granularity, in experts, at which callers should split the experts between threads
-// on the active CPU path.
-int64_t router_gemm_expert_block();
+// The granularity, in experts, at which callers split the experts between threads on the
+// active CPU path: kRouterPackTile for a prepacked weight (required), else the path's
+// register tile (any split is correct; this one wastes no tile).
+int64_t router_gemm_expert_block(const RouterGemmParams& params);
 
 // The GPU small-T kernel: whether it takes these params (few tokens, hidden_size a multiple
 // of 8, 16-byte aligned rows) and beats the platform GEMM on the current device for them
