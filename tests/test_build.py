@@ -137,3 +137,20 @@ def test_an_environment_naming_no_path_here_warns(forced, warns):
     assert ("MOEEXT_CPU_ISA='scaler' is not a CPU path" in out.stderr) == warns, out.stderr
     assert out.stdout.strip() == (moeext.build_info()["cpu_isa_best"] if forced != "scalar"
                                   else "scalar")
+
+
+def test_the_demo_fails_on_a_wrong_result(monkeypatch, capsys):
+    import moeext.__main__ as demo
+
+    monkeypatch.setattr(demo, "_median_us", lambda fn, iters: 1.0)  # the check, not the timing
+    demo.main()
+    assert "check: every row matches the reference" in capsys.readouterr().out
+    route = moeext.biased_grouped_topk
+
+    def off_by_a_percent(*args, **kwargs):
+        weights, ids = route(*args, **kwargs)
+        return weights * 1.01, ids
+
+    monkeypatch.setattr(moeext, "biased_grouped_topk", off_by_a_percent)
+    with pytest.raises(SystemExit, match="FAILED: the batches of \\[1, 4096\\] tokens differ"):
+        demo.main()

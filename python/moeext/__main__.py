@@ -2,7 +2,8 @@
 
 Routes batches of 1 and 4096 tokens of bf16 router logits with DeepSeek-V3's routing (256
 experts in 8 groups, 4 groups kept, 8 experts per token, an fp32 correction bias around +2),
-compares the results with the pure-PyTorch reference, and prints the latency of both.
+compares the results with the pure-PyTorch reference, and prints the latency of both. Exits
+with status 1 if any row's ids differ from the reference's or a weight by more than 1e-5.
 """
 
 import statistics
@@ -30,6 +31,7 @@ def main():
           f"{', '.join(info['backends'])} | CPU path {info['cpu_isa_active']}")
     p = PRESETS["deepseek-v3"]
     g = torch.Generator().manual_seed(0)
+    failures = []
     for num_tokens in (1, 4096):
         logits = torch.randn(num_tokens, p.num_experts, generator=g).bfloat16()
         bias = 2 + 0.05 * torch.randn(p.num_experts, generator=g)
@@ -38,6 +40,8 @@ def main():
                                                                     **p.op_kwargs())
         same_ids = (ids == ref_ids).all(dim=-1).float().mean().item()
         max_err = (weights - ref_weights).abs().max().item()
+        if same_ids < 1 or not max_err <= 1e-5:
+            failures.append(num_tokens)
         iters = 2000 if num_tokens == 1 else 20
         t_op = _median_us(lambda: moeext.biased_grouped_topk(logits, bias, **p.op_kwargs()),
                           iters)
@@ -47,6 +51,9 @@ def main():
               f"{same_ids:.2%}, max |weight diff| {max_err:.1e}, moeext {t_op:9.1f} us, "
               f"reference {t_ref:9.1f} us ({t_ref / t_op:.0f}x)")
     print("first token:", ids[0].tolist(), [round(w, 4) for w in weights[0].tolist()])
+    if failures:
+        raise SystemExit(f"FAILED: the batches of {failures} tokens differ from the reference")
+    print("check: every row matches the reference")
 
 
 if __name__ == "__main__":
