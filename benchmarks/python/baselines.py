@@ -8,8 +8,9 @@ which vLLM's CPU path lacks, is the same chain with ``softplus().sqrt()`` as the
 
 The shuffles are AITER's view/permute/contiguous formulations (``aiter.ops.shuffle``), one copy
 each: ``shuffle_weight`` and, with ``gate_up``, ``shuffle_weight_a16w4``; ``e8m0_shuffle``
-(padding into ``torch.empty``, so its pad bytes are whatever was there) and, with ``gate_up``,
-``shuffle_scale_a16w4``. Their valid bytes are moeext's (the benchmarks check).
+(after a first copy into a padded ``torch.empty``, so its pad bytes are whatever was there) and,
+with ``gate_up``, ``shuffle_scale_a16w4``. Their valid bytes are moeext's (the benchmarks
+check).
 """
 
 import torch

@@ -35,6 +35,17 @@ BASELINES = {
 }
 
 
+def check_against_reference(args):
+    """Asserts, before the inputs are timed, that both ways of calling moeext route them as
+    moeext.reference does: the same ids in the same order, and the same weights."""
+    ref_weights, ref_ids = moeext.reference.biased_grouped_topk(*args)
+    for name, route in (("moeext.biased_grouped_topk", moeext.biased_grouped_topk),
+                        ("torch.ops", torch.ops.moeext.biased_grouped_topk)):
+        weights, ids = route(*args)
+        assert torch.equal(ids, ref_ids), f"{name}: ids differ from moeext.reference's"
+        torch.testing.assert_close(weights, ref_weights, msg=lambda m: f"{name}: {m}")
+
+
 def rows(quick=False, presets=None, tokens=None, baseline="torch-native"):
     presets = presets or (["deepseek-v3", "kimi-k2"] if quick else list(PRESETS))
     tokens = tokens or ([1, 64] if quick else TOKENS)
@@ -53,6 +64,7 @@ def rows(quick=False, presets=None, tokens=None, baseline="torch-native"):
             bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)) if p.has_bias else None
             args = (logits, bias, p.num_expert_group, p.topk_group, p.topk, p.renormalize,
                     p.routed_scaling_factor, p.scoring_func)
+            check_against_reference(args)
             t_moeext = median_seconds(lambda: moeext.biased_grouped_topk(*args), min_time)
             t_base = median_seconds(lambda: baseline_fn(*args), min_time)
             yield Row("biased_grouped_topk", f"{name} T={num_tokens}", t_moeext,

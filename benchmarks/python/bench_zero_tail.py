@@ -19,9 +19,21 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import Row, machine_line, median_seconds  # noqa: E402
 
 
+def check_zeroing(n):
+    """Asserts, before anything is timed, that both ops zero exactly the tail they are given
+    (the timed buffer is zero already, where a no-op would look the same)."""
+    buf = torch.ones(n, dtype=torch.int32)
+    torch.ops.moeext.zero_tail_(buf, n // 2, n - 1)
+    assert buf[:n // 2].all() and not buf[n // 2:n - 1].any() and buf[n - 1] == 1
+    state = torch.tensor([n - 1], dtype=torch.int64)
+    torch.ops.moeext.zero_tail_tracked_(buf.fill_(1), state, 3)
+    assert buf[:3].all() and not buf[3:n - 1].any() and buf[n - 1] == 1 and int(state) == 3
+
+
 def rows(quick=False):
     mib = 4 if quick else 64
     n = mib * (1 << 20) // 4
+    check_zeroing(n)
     buf = torch.zeros(n, dtype=torch.int32)
     t_fill = median_seconds(lambda: buf.fill_(0))
     for tail in (0.0, 0.01, 0.10, 1.0):
