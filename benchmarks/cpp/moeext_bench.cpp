@@ -20,6 +20,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <regex>
 #include <string>
@@ -444,8 +445,8 @@ void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
 
 int usage(const char* argv0) {
   std::fprintf(stderr,
-               "usage: %s [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16] "
-               "[--threads N]\n",
+               "usage: %s [--quick] [--csv] [--filter REGEX] "
+               "[--isa scalar|avx2|avx512|avx512bf16|auto] [--threads N]\n",
                argv0);
   return 2;
 }
@@ -468,13 +469,26 @@ int main(int argc, char** argv) {
                         : isa == "avx2"       ? moeext::CpuIsa::kAvx2
                         : isa == "avx512"     ? moeext::CpuIsa::kAvx512
                         : isa == "avx512bf16" ? moeext::CpuIsa::kAvx512Bf16
-                                              : moeext::CpuIsa::kAuto;
-      if (!moeext::set_cpu_isa(want)) {
+                        : isa == "auto"       ? moeext::CpuIsa::kAuto
+                                              : std::optional<moeext::CpuIsa>();
+      if (!want) {
+        std::fprintf(stderr, "--isa %s: not a path (scalar, avx2, avx512, avx512bf16, auto)\n",
+                     isa.c_str());
+        return 2;
+      }
+      if (!moeext::set_cpu_isa(*want)) {
         std::fprintf(stderr, "--isa %s: not available on this CPU or build\n", isa.c_str());
         return 2;
       }
     } else if (arg == "--threads" && i + 1 < argc) {
-      omp_set_num_threads(std::atoi(argv[++i]));
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const long threads = std::strtol(text, &end, 10);
+      if (end == text || *end != '\0' || threads < 1 || threads > 4096) {
+        std::fprintf(stderr, "--threads %s: not a thread count (1 or more)\n", text);
+        return 2;
+      }
+      omp_set_num_threads(int(threads));
     } else {
       return usage(argv[0]);
     }

@@ -79,6 +79,8 @@ def main(argv=None):
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args(argv)
+    if args.quick and args.update_readme:  # the README's table is the full run
+        parser.error("--update-readme pastes the full run: leave out --quick")
     if args.plot:
         try:  # before minutes of benchmarks, not after them
             import matplotlib  # noqa: F401
