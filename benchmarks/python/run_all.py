@@ -50,15 +50,16 @@ def plot(rows, path):
         if r.x is None:
             continue
         preset = r.case.split(" T=")[0]
-        series.setdefault((r.op, preset, "moeext"), []).append((r.x, r.moeext_s * 1e6))
-        series.setdefault((r.op, preset, r.baseline), []).append((r.x, r.baseline_s * 1e6))
+        # A case compared with several baselines repeats its moeext time: one point per x.
+        series.setdefault((r.op, preset, "moeext"), {})[r.x] = r.moeext_s * 1e6
+        series.setdefault((r.op, preset, r.baseline), {})[r.x] = r.baseline_s * 1e6
     ops = sorted({key[0] for key in series})
     fig, axes = plt.subplots(1, len(ops), figsize=(7 * len(ops), 5), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for (o, preset, who), points in sorted(series.items()):
             if o != op:
                 continue
-            xs, ys = zip(*sorted(points))
+            xs, ys = zip(*sorted(points.items()))
             ax.plot(xs, ys, marker="o", linestyle="-" if who == "moeext" else "--",
                     label=f"{preset} — {who}")
         ax.set_xscale("log")
