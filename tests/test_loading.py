@@ -251,6 +251,9 @@ def test_padding_uses_zero_tail_where_rows_are_contiguous(monkeypatch, device):
     ((4, 3), (8, 3), dict(shard_dim=0, tp_rank=2, tp_size=2), "tp_rank must be"),
     ((4, 3), (8, 3), dict(shard_dim=2, tp_rank=0, tp_size=2), "shard_dim must be"),
     ((4, 3), (8, 3), dict(shard_dim=-3, tp_rank=0, tp_size=2), "shard_dim must be"),
+    ((4, 3), (8, 3), dict(shard_dim=0, tp_rank=True, tp_size=2), "tp_rank must be"),
+    ((8, 3), (8, 3), dict(shard_dim=0, tp_rank=0, tp_size=True), "tp_size must be"),
+    ((4, 3), (4, 3), dict(shard_dim=False, tp_rank=0, tp_size=1), "shard_dim must be"),
     ((4, 3), (8, 4), dict(shard_dim=0, tp_rank=0, tp_size=2), "dim 1 differs"),
     ((4, 3), (8, 3, 1), dict(shard_dim=0, tp_rank=0, tp_size=2), "has 2 dims"),
     ((3, 3), (7, 3), dict(shard_dim=0, tp_rank=1, tp_size=2), "ceil\\(7 / 2\\) = 4"),
@@ -341,6 +344,17 @@ def test_non_tensor_arguments():
         loading.load_shard_(torch.zeros(2, 2), [[1.0, 2.0]], 0, 0, 1)
     with pytest.raises(ValueError, match="tp_rank must be"):
         loading.load_shard_(torch.zeros(2, 2), torch.zeros(2, 2), 0, 0.0, 1)
+
+
+def test_shard_range_checks_its_arguments():
+    assert loading.shard_range(7, 7, 8) == (7, 7) and loading.shard_range(0, 0, 1) == (0, 0)
+    for args, match in (((-1, 0, 1), "width must be an int >= 0, got -1"),
+                        ((7.0, 0, 1), "width must be"), ((True, 0, 1), "width must be"),
+                        ((7, 0, 0), "tp_size must be an int >= 1, got 0"),
+                        ((7, 8, 8), r"tp_rank must be an int in \[0, tp_size=8\), got 8"),
+                        ((7, -1, 8), "tp_rank must be"), ((7, False, 8), "tp_rank must be")):
+        with pytest.raises(ValueError, match="shard_range: " + match):
+            loading.shard_range(*args)
 
 
 def test_exported_from_package():

@@ -17,12 +17,33 @@ from .ops import zero_tail_
 __all__ = ["load_shard_", "shard_range"]
 
 
+# isinstance(True, int) holds, but True as a rank, a size or a dim is a caller's slip.
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_tp(op: str, tp_rank: int, tp_size: int) -> None:
+    if not _is_int(tp_size) or tp_size < 1:
+        raise ValueError(f"{op}: tp_size must be an int >= 1, got {tp_size!r}")
+    if not _is_int(tp_rank) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"{op}: tp_rank must be an int in [0, tp_size={tp_size}), got "
+                         f"{tp_rank!r}")
+
+
 def shard_range(width: int, tp_rank: int, tp_size: int) -> Tuple[int, int]:
     """The rows ``[start, stop)`` of a dimension of ``width`` that rank ``tp_rank`` loads.
 
     ``start == stop`` (possibly ``== width``) for a rank past the data, e.g. ``width=7``,
     ``tp_size=8``: ranks 0..6 get one row each, rank 7 none.
+
+    Raises:
+        ValueError: naming the argument, unless ``width >= 0``, ``tp_size >= 1`` and
+        ``0 <= tp_rank < tp_size`` are ints (a bool is refused).
     """
+    op = "shard_range"
+    if not _is_int(width) or width < 0:
+        raise ValueError(f"{op}: width must be an int >= 0, got {width!r}")
+    _check_tp(op, tp_rank, tp_size)
     per_rank = -(-width // tp_size)
     return min(width, tp_rank * per_rank), min(width, (tp_rank + 1) * per_rank)
 
@@ -178,17 +199,13 @@ def load_shard_(
     for name, t in (("param_slot", param_slot), ("checkpoint_tensor", checkpoint_tensor)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"{op}: tp_size must be an int >= 1, got {tp_size!r}")
-    if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"{op}: tp_rank must be an int in [0, tp_size={tp_size}), got "
-                         f"{tp_rank!r}")
+    _check_tp(op, tp_rank, tp_size)
     ndim = param_slot.dim()
     if checkpoint_tensor.dim() != ndim:
         raise ValueError(f"{op}: param_slot has {ndim} dims but checkpoint_tensor has "
                          f"{checkpoint_tensor.dim()} (shapes {tuple(param_slot.shape)} and "
                          f"{tuple(checkpoint_tensor.shape)})")
-    if not isinstance(shard_dim, int) or not -ndim <= shard_dim < ndim:
+    if not _is_int(shard_dim) or not -ndim <= shard_dim < ndim:
         raise ValueError(f"{op}: shard_dim must be an int in [{-ndim}, {ndim}) for "
                          f"{ndim}-d tensors, got {shard_dim!r}")
     dim = shard_dim % ndim
