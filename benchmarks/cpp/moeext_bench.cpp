@@ -508,7 +508,7 @@ int main(int argc, char** argv) {
   const double dot_peak = measure_peak_bf16_gmacs(opt);
   const char* sep = opt.csv ? "," : " ";
   std::printf("# moeext_bench | %s | CPU path %s | %d threads | LLC %.0f MiB | peak %.1f GB/s "
-              "(streaming copy, read + write) | bf16 dot peak %.0f GMAC/s (vdpbf16ps, all "
+              "(streaming copy, read + write) | bf16 dot peak %.0f GMAC/s (vdpbf16ps on all "
               "threads)\n",
               cpu_model().c_str(), moeext::cpu_isa_name(moeext::cpu_isa_active()),
               omp_get_max_threads(), last_level_cache_bytes() / (1 << 20), peak, dot_peak);
