@@ -343,12 +343,19 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
         const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
         cases.push_back({op, shape, bytes, rot, [data, p](int i) mutable {
           p.weight = data->weights[size_t(i)].data();
-          // Split the experts over the threads as the binding does.
+          // The binding's split: its grain of expert blocks, then at::parallel_for's one
+          // contiguous chunk per thread (as many threads as whole grains, at most all).
           const int64_t block = moeext::router_gemm_expert_block(p);
           const int64_t blocks = (p.num_experts + block - 1) / block;
-          const int64_t threads = omp_get_max_threads();
+          const int64_t grain = moeext::router_gemm_cpu_grain(p, block);
+          const int64_t threads =
+              std::min<int64_t>(omp_get_max_threads(), (blocks + grain - 1) / grain);
+          if (threads <= 1) {
+            moeext::router_gemm_cpu(p, 0, p.num_experts);
+            return;
+          }
           const int64_t per = (blocks + threads - 1) / threads * block;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(int(threads))
           for (int64_t c = 0; c < threads; ++c) {
             const int64_t begin = c * per;
             const int64_t end = std::min(p.num_experts, begin + per);

@@ -89,13 +89,10 @@ at::Tensor router_gemm_cpu_impl(const at::Tensor& hidden_states, const at::Tenso
   const RouterGemmParams p = make_router_gemm_params(hidden_states, weight, logits);
   if (p.num_tokens == 0 || p.num_experts == 0) return logits;
   // Threads split the experts, so each streams its own slice of the weight once and computes
-  // every token for it (a prepacked weight at its tiles). A chunk should carry at least ~512k
-  // multiply-adds (a few us, more than a thread wake-up costs), so small gates stay on the
-  // calling thread.
+  // every token for it (a prepacked weight at its tiles).
   const int64_t block = router_gemm_expert_block(p);
   const int64_t num_blocks = (p.num_experts + block - 1) / block;
-  const int64_t work_per_block = block * std::max<int64_t>(1, p.hidden_size) * p.num_tokens;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / work_per_block);
+  const int64_t grain = router_gemm_cpu_grain(p, block);
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     router_gemm_cpu(p, begin * block, std::min(end * block, p.num_experts));
   });

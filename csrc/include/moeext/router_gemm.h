@@ -41,9 +41,20 @@ struct RouterGemmParams {
 void router_gemm_cpu(const RouterGemmParams& params, int64_t expert_begin, int64_t expert_end);
 
 // The granularity, in experts, at which callers split the experts between threads on the
-// active CPU path: kRouterPackTile for a prepacked weight (required), else the path's
-// register tile (any split is correct; this one wastes no tile).
+// active CPU path: kRouterPackTile for a prepacked weight (required), else 2 (any split is
+// correct; an even split, each range ending in a narrower tile, beat whole tiles).
 int64_t router_gemm_expert_block(const RouterGemmParams& params);
+
+// The fewest blocks of router_gemm_expert_block(params) experts worth a thread of their own,
+// for callers that split the experts (the torch binding, the C++ benchmark): a chunk should
+// carry at least ~512k multiply-adds (a few us, more than a thread wake-up costs), so small
+// gates stay on the calling thread.
+inline int64_t router_gemm_cpu_grain(const RouterGemmParams& params, int64_t expert_block) {
+  const int64_t hidden = params.hidden_size > 1 ? params.hidden_size : 1;
+  const int64_t work_per_block = expert_block * hidden * params.num_tokens;
+  const int64_t grain = (int64_t(1) << 19) / (work_per_block > 1 ? work_per_block : 1);
+  return grain > 1 ? grain : 1;
+}
 
 // The GPU small-T kernel: whether it takes these params (few tokens, hidden_size a multiple
 // of 8, 16-byte aligned rows) and beats the platform GEMM on the current device for them
