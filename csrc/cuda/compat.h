@@ -36,10 +36,6 @@ constexpr hipDeviceAttribute_t kAttrMultiprocessorCount = hipDeviceAttributeMult
 inline Error memset_async(void* dst, int value, size_t bytes, Stream stream) {
   return hipMemsetAsync(dst, value, bytes, stream);
 }
-inline Error memset_2d_async(void* dst, size_t pitch, int value, size_t width, size_t height,
-                             Stream stream) {
-  return hipMemset2DAsync(dst, pitch, value, width, height, stream);
-}
 #else
 using Stream = cudaStream_t;
 using Error = cudaError_t;
@@ -54,10 +50,6 @@ constexpr cudaDeviceAttr kAttrWarpSize = cudaDevAttrWarpSize;
 constexpr cudaDeviceAttr kAttrMultiprocessorCount = cudaDevAttrMultiProcessorCount;
 inline Error memset_async(void* dst, int value, size_t bytes, Stream stream) {
   return cudaMemsetAsync(dst, value, bytes, stream);
-}
-inline Error memset_2d_async(void* dst, size_t pitch, int value, size_t width, size_t height,
-                             Stream stream) {
-  return cudaMemset2DAsync(dst, pitch, value, width, height, stream);
 }
 #endif
 
@@ -141,7 +133,8 @@ __device__ __forceinline__ float to_float(fp16 x) {
 #endif
 }
 
-// Host-side warp width of the current device, asked once per device and cached.
+// Host-side warp width of the current device, asked once per device and cached; 0 where the
+// device cannot be asked (the launchers then refuse).
 int warp_size_of_current_device();
 int multiprocessor_count_of_current_device();
 

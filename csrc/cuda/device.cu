@@ -32,7 +32,9 @@ std::atomic<int> multiprocessor_counts[kMaxDevices];
 
 }  // namespace
 
-int warp_size_of_current_device() { return cached_attribute(warp_sizes, kAttrWarpSize, 32); }
+// 0 where the device cannot be asked: a guessed 32 would launch, on a wave64 device, kernel
+// instances compiled empty there, and leave the outputs unwritten.
+int warp_size_of_current_device() { return cached_attribute(warp_sizes, kAttrWarpSize, 0); }
 
 int multiprocessor_count_of_current_device() {
   return cached_attribute(multiprocessor_counts, kAttrMultiprocessorCount, 1);

@@ -778,6 +778,9 @@ const char* biased_grouped_topk_cuda_limit(const BiasedGroupedTopkParams& params
                           params.num_experts, "");
   }
   const int warp_size = gpu::warp_size_of_current_device();
+  if (warp_size == 0) {
+    return "biased_grouped_topk: the current GPU device could not be asked its warp size";
+  }
   if (warp_size != 32 && warp_size != 64) {
     return format_message("biased_grouped_topk: the GPU kernels run on warps of 32 or 64 lanes, "
                           "this device's have ", warp_size, "");

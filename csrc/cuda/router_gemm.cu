@@ -296,7 +296,8 @@ GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream) {
     case 64:
       return launch_for_inputs<64>(params, s);
     default:
-      return "router_gemm_cuda: the device's warp size is neither 32 nor 64";
+      return "router_gemm_cuda: the device's warp size is neither 32 nor 64 (or it could not "
+             "be asked)";
   }
 }
 
