@@ -62,11 +62,6 @@ MOEEXT_HOST_DEVICE inline bool router_gemm_small_t_pays(int64_t num_tokens, int6
          int64_t(sms) * router_gemm_min_blocks_per_sm(tile);
 }
 
-// Elements of the input dtype in one 16-byte load.
-MOEEXT_HOST_DEVICE inline int router_gemm_chunk_elements(DType dtype) {
-  return dtype == DType::kFloat32 ? 4 : 8;
-}
-
 MOEEXT_HOST_DEVICE inline int dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 // Whether the small-T kernel takes these params (router_gemm_cuda_supported): 1..16 tokens,
