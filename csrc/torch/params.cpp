@@ -319,7 +319,7 @@ ZeroRowsParams make_zero_tail_params(const at::Tensor& buf, int64_t new_extent,
               " elements per row); zeroing one row would zero others");
   if (state != nullptr) {
     TORCH_CHECK(!rows_overlap(buf_rows, rows_of(state->data_ptr(), 1, 1, 1, 1, 8)), op,
-                ": state shares memory with buf");
+                ": state shares memory with buf; it must be a tensor of its own");
   }
   ZeroRowsParams p;
   p.data = buf.data_ptr();
@@ -391,7 +391,8 @@ ShuffleWeightParams make_shuffle_weight_params(const at::Tensor& logical, void* 
   }
   // An empty w reads nothing, and torch's contiguous() returns empty views as they are.
   TORCH_CHECK(logical.stride(-1) == 1 || logical.numel() == 0, op,
-              ": w must have a contiguous last dimension");
+              ": w must have a contiguous last dimension (stride 1), got strides ",
+              logical.strides());
   // shuffle_weight_source's tensor or a new one: one batch stride, unless w is empty.
   const std::optional<int64_t> batch_stride = flat_batch_stride(logical);
   TORCH_INTERNAL_ASSERT(batch_stride.has_value() || logical.numel() == 0);

@@ -125,8 +125,9 @@ def unpack_router_weight(packed: torch.Tensor, hidden_size: int) -> torch.Tensor
 
 def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
     """Reference for ``moeext.zero_tail_`` (SPEC.md section 4)."""
-    if new_extent < 0 or prev_extent < 0:
-        raise RuntimeError("zero_tail_: extents must be >= 0")
+    for name, extent in (("new_extent", new_extent), ("prev_extent", prev_extent)):
+        if extent < 0:
+            raise RuntimeError(f"zero_tail_: {name} must be >= 0, got {extent}")
     end = min(prev_extent, buf.shape[0])
     if new_extent < end:
         # Byte view: fp4/fp8 storage types have no fill kernel, and zero bytes are zero.
