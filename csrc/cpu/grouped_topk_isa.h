@@ -45,7 +45,8 @@ struct GroupedTopkWorkspace {
   uint64_t* expert_keys;   // [topk]
   ExpertRange* ranges;     // [topk_group]
   // [kLaneRows * num_experts padded to 16] the scores of kLaneRows rows, for routing rows in
-  // lanes (routers of up to kLaneMaxExperts; else nullptr).
+  // lanes (routers of up to kLaneMaxExperts, sqrt-softplus ones of up to
+  // kApproxLaneMaxExperts given kLaneRows rows; else nullptr).
   float* lane_rows;
 };
 

@@ -1,6 +1,7 @@
 // The MXFP4 shuffles are pure data movement: 16-byte chunks (weights) and bytes (scales).
 // 16-byte memcpy compiles to one unaligned vector load and store on every x86-64 and Arm,
-// so there is no per-ISA copy of this file. Every loop writes its output sequentially.
+// so there is no per-ISA copy of this file. The shuffles write their output sequentially; the
+// unshuffles read sequentially and write a band's (or tile's) rows in turn.
 #include <algorithm>
 #include <cstring>
 

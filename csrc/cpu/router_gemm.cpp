@@ -1,6 +1,7 @@
 // Router GEMM on the CPU (SPEC.md section 2). Compiled once per ISA; see cpu/vec.h.
 //
-// The weight [E, H] is read in its nn.Linear layout, never packed. A register tile is
+// The weight [E, H] is read in its nn.Linear layout, or in prepack_router_weight's tiles
+// (namespace packed, below; what follows is the nn.Linear path). A register tile is
 // kExperts weight rows x kTokens tokens whose fp32 accumulators stay in registers.
 // The caller's expert range is walked one tile row at a time, and every token block reuses
 // those weight rows while they are in L1/L2, so each weight row comes from memory once per

@@ -362,7 +362,7 @@ void biased_grouped_topk_out_autograd(
       num_expert_group, topk_group, renormalize, routed_scaling_factor, scoring_func);
 }
 
-// Unboxed, as the Autograd kernel above redispatches: a boxed kernel here would box the eight
+// Unboxed, as the Autograd kernel above redispatches: a boxed kernel here would box the nine
 // arguments on every call again. It costs about 45 ns of a 0.6-0.7 us call (10 of them the
 // guard), inside inference mode too: normal tensors keep their ADInplaceOrView key there.
 void biased_grouped_topk_out_inplace_or_view(

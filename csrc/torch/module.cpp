@@ -1,6 +1,6 @@
 // moeext._C: importing it loads the TORCH_LIBRARY registrations of this shared library. The
-// few functions here are about the build and the CPU paths, plus the routing wrappers' direct
-// calls of their ops (python_calls.cpp); the ops themselves are torch.ops.
+// few functions here are about the build and the CPU paths, plus the per-step wrappers'
+// direct calls of their ops (python_calls.cpp); the ops themselves are torch.ops.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

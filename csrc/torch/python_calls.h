@@ -1,5 +1,5 @@
-// The Python wrappers' direct calls of the routing ops (python_calls.cpp), as CPython
-// methods for moeext._C.
+// The Python wrappers' direct calls of the per-step ops (routing, router_gemm, zero_tail_,
+// zero_tail_tracked_; python_calls.cpp), as CPython methods for moeext._C.
 #pragma once
 
 #include <Python.h>

@@ -16,7 +16,8 @@ namespace moeext {
 
 // Every *_cuda launcher enqueues its work on `stream` (a cudaStream_t, or a hipStream_t
 // when built as HIP) on the current device, allocates nothing, never synchronises, and
-// returns nullptr, or the runtime's message when a launch failed.
+// returns nullptr, or a message: the runtime's when a launch failed, the launcher's own for
+// params or a device it does not take (nothing is launched then).
 using GpuError = const char*;
 
 // The element types a kernel may be asked to read. The bindings map torch dtypes onto these.

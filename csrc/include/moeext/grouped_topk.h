@@ -55,8 +55,9 @@ inline int64_t biased_grouped_topk_cpu_grain(int64_t num_experts) {
   return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, num_experts));
 }
 
-// Routes every token on the GPU. Topologies past the fast path's limits (see
-// biased_grouped_topk_cuda_limit) are not launched: the caller checks first.
+// Routes every token on the GPU. What the GPU kernels cannot route (more than 4096 experts,
+// a warp that is neither 32 nor 64 lanes: see biased_grouped_topk_cuda_limit) is not
+// launched: the caller checks first.
 GpuError biased_grouped_topk_cuda(const BiasedGroupedTopkParams& params, void* stream);
 
 // nullptr when the GPU kernels route this topology, else a message naming the limit.
