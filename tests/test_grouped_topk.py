@@ -924,6 +924,43 @@ def test_direct_call_releases_the_gil():
     assert after and after[0] < window[0] + 0.5 * duration
 
 
+def test_direct_call_raises_memory_error_as_torch_ops_does():
+    """A workspace the allocator refuses (std::bad_alloc) is a MemoryError through both paths,
+    as pybind11 maps it for torch.ops; torch's own handler made it a RuntimeError. In a child
+    process, whose address space is capped just above its size before each call."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import resource, torch, moeext
+        logits = torch.randn(8, 1 << 20, dtype=torch.bfloat16)  # a 25 MB heap workspace
+        moeext.biased_grouped_topk(logits, None, 1, 1, 8)
+        def address_space():
+            with open("/proc/self/status") as status:
+                return next(int(line.split()[1]) * 1024 for line in status
+                            if line.startswith("VmSize"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        for call in (lambda: moeext.biased_grouped_topk(logits, None, 1, 1, 8),
+                     lambda: torch.ops.moeext.biased_grouped_topk(logits, None, 1, 1, 8, True,
+                                                                  1.0, "sigmoid")):
+            resource.setrlimit(resource.RLIMIT_AS, (address_space() + (4 << 20), hard))
+            try:
+                call()
+                print("no error")
+            except Exception as e:
+                print(type(e).__name__, e)
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        print(torch.equal(moeext.biased_grouped_topk(logits, None, 1, 1, 8)[1],
+                          moeext.reference.biased_grouped_topk(logits, None, 1, 1, 8)[1]))
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-3000:]}"
+    assert child.stdout.splitlines() == ["MemoryError std::bad_alloc"] * 2 + ["True"]
+
+
 # ---------------------------------------------------------------------------------------
 # Property-based: random topologies, dtypes, strides and values against the reference.
 # ---------------------------------------------------------------------------------------

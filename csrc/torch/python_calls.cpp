@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <new>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -102,6 +103,26 @@ bool torch_function_mode_active() { return at::impl::torch_function_mode_enabled
 
 PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
+// torch.ops raises MemoryError for a std::bad_alloc (pybind11's mapping of it); torch's
+// HANDLE_TH_ERRORS alone would make it a RuntimeError. A python_error holding MemoryError
+// goes through HANDLE_TH_ERRORS's own handlers, which restore it.
+[[noreturn]] void throw_memory_error(const std::bad_alloc& error) {
+  PyErr_SetString(PyExc_MemoryError, error.what());
+  python_error e;
+  e.persist();
+  throw e;
+}
+
+#define MOEEXT_HANDLE_ERRORS \
+  HANDLE_TH_ERRORS           \
+  try {
+#define MOEEXT_END_HANDLE_ERRORS         \
+  }                                      \
+  catch (const std::bad_alloc& e) {      \
+    throw_memory_error(e);               \
+  }                                      \
+  END_HANDLE_TH_ERRORS
+
 // Releases the GIL around calls long enough for another thread to use it (16k logits: about
 // 8-16 us of routing). Releasing and retaking it costs 25-30 ns, 2.5% of a one-token call.
 class ReleaseGilIfLong {
@@ -137,7 +158,7 @@ bool parse_routing_tail(PyObject* const* args, RoutingArgs& a) {
 //  routed_scaling_factor, scoring_func) -> (topk_weights, topk_ids) or NotImplemented
 PyObject* call_biased_grouped_topk(PyObject* /*self*/, PyObject* const* args,
                                    Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
+  MOEEXT_HANDLE_ERRORS
   const auto& op = biased_grouped_topk_handle();
   at::Tensor gating_output;
   RoutingArgs a;
@@ -161,14 +182,14 @@ PyObject* call_biased_grouped_topk(PyObject* /*self*/, PyObject* const* args,
   Py_XDECREF(weights);
   Py_XDECREF(ids);
   return result;
-  END_HANDLE_TH_ERRORS
+  MOEEXT_END_HANDLE_ERRORS
 }
 
 // (gating_output, correction_bias, topk_weights, topk_ids, num_expert_group, topk_group,
 //  renormalize, routed_scaling_factor, scoring_func) -> None or NotImplemented
 PyObject* call_biased_grouped_topk_out(PyObject* /*self*/, PyObject* const* args,
                                        Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
+  MOEEXT_HANDLE_ERRORS
   const auto& op = biased_grouped_topk_out_handle();
   at::Tensor gating_output, topk_weights, topk_ids;
   RoutingArgs a;
@@ -186,12 +207,12 @@ PyObject* call_biased_grouped_topk_out(PyObject* /*self*/, PyObject* const* args
             c10::string_view(a.scoring_func.data(), a.scoring_func.size()));
   }
   Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
+  MOEEXT_END_HANDLE_ERRORS
 }
 
 // (hidden_states, weight, out_dtype) -> logits or NotImplemented
 PyObject* call_router_gemm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
+  MOEEXT_HANDLE_ERRORS
   const auto& op = router_gemm_handle();
   at::Tensor hidden_states, weight;
   std::optional<at::ScalarType> out_dtype;
@@ -207,13 +228,14 @@ PyObject* call_router_gemm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
     logits = op.call(hidden_states, weight, out_dtype);
   }
   return THPVariable_Wrap(logits);
-  END_HANDLE_TH_ERRORS
+  MOEEXT_END_HANDLE_ERRORS
 }
 
 // Whether zeroing rows [new_extent, prev_extent) of buf writes enough to release the GIL for
 // (64 KiB: a few microseconds).
 bool zeroes_much(const at::Tensor& buf, int64_t new_extent, int64_t prev_extent) {
-  if (buf.dim() == 0 || buf.size(0) == 0) return false;
+  // Negative extents are the op's error to raise (and would overflow the difference).
+  if (buf.dim() == 0 || buf.size(0) == 0 || new_extent < 0 || prev_extent < 0) return false;
   const int64_t rows = buf.size(0);
   const int64_t zeroed = std::min(prev_extent, rows) - std::min(new_extent, rows);
   return zeroed > 0 && zeroed * (buf.numel() / rows) * int64_t(buf.element_size()) >= 65536;
@@ -221,7 +243,7 @@ bool zeroes_much(const at::Tensor& buf, int64_t new_extent, int64_t prev_extent)
 
 // (buf, new_extent, prev_extent) -> None or NotImplemented
 PyObject* call_zero_tail(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
+  MOEEXT_HANDLE_ERRORS
   const auto& op = zero_tail_handle();
   at::Tensor buf;
   int64_t new_extent = 0, prev_extent = 0;
@@ -234,13 +256,13 @@ PyObject* call_zero_tail(PyObject* /*self*/, PyObject* const* args, Py_ssize_t n
     op.call(buf, c10::SymInt(new_extent), c10::SymInt(prev_extent));
   }
   Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
+  MOEEXT_END_HANDLE_ERRORS
 }
 
 // (buf, state, new_extent) -> None or NotImplemented. The previous extent is on the device,
 // so any buf that could hold a long tail releases the GIL.
 PyObject* call_zero_tail_tracked(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
+  MOEEXT_HANDLE_ERRORS
   const auto& op = zero_tail_tracked_handle();
   at::Tensor buf, state;
   int64_t new_extent = 0;
@@ -253,7 +275,7 @@ PyObject* call_zero_tail_tracked(PyObject* /*self*/, PyObject* const* args, Py_s
     op.call(buf, state, c10::SymInt(new_extent));
   }
   Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
+  MOEEXT_END_HANDLE_ERRORS
 }
 
 // METH_FASTCALL functions are stored as PyCFunction; the cast goes through void (*)() so

@@ -443,5 +443,9 @@ def set_cpu_isa(isa: str) -> None:
     The environment variable ``MOEEXT_CPU_ISA`` (the same names) picks the path when moeext
     is imported; a name this build or this CPU lacks leaves the best path in place, with a
     warning. ``set_cpu_isa`` raises ValueError for it instead.
+
+    Switch between calls: each chunk of a call's work reads the path when it starts, so a
+    call that runs while another thread switches may mix the two paths' results (each chunk
+    still correct, but the whole bit-equal to neither path's).
     """
     _C.set_cpu_isa(isa)

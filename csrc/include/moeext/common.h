@@ -42,7 +42,8 @@ CpuIsa cpu_isa_best();
 // environment variable MOEEXT_CPU_ISA=scalar|avx2|avx512|avx512bf16 read once at start.
 CpuIsa cpu_isa_active();
 // Forces a path (kAuto restores the best one). Returns false, changing nothing, when the
-// binary or the CPU lacks it.
+// binary or the CPU lacks it. Each launcher call reads the path when it starts, so the
+// chunks of one op split over threads may run on both sides of a switch made meanwhile.
 bool set_cpu_isa(CpuIsa isa);
 const char* cpu_isa_name(CpuIsa isa);
 // Whether this binary has the path and this CPU (and OS) runs it.
