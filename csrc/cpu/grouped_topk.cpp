@@ -655,8 +655,8 @@ inline void select_experts(const float* b, const ExpertRange* ranges, int64_t nu
     with_rank_vecs<ChooseRanked>(count, ws, count, k, k <= W && count <= W ? &first : nullptr);
     return;
   }
-  // Too many candidates (a row of ties, or k > kMaxFloorK: no floor): insertion, offering only lanes at or
-  // above the floor and, once k keys are held, at or above the current k-th.
+  // Too many candidates (a row of ties, or k > kMaxFloorK: no floor): insertion, offering
+  // only lanes at or above the floor and, once k keys are held, at or above the current k-th.
   uint64_t* keys = ws.expert_keys;
   int64_t held = 0;
   for (int64_t r = 0; r < num_ranges; ++r) {
