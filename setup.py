@@ -120,7 +120,8 @@ setup(
     description="Routing and weight-preparation kernels for Mixture-of-Experts models",
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    # Every torch moeext has been built against (2.9.1 to 2.15.0) needs Python 3.10 or newer.
+    python_requires=">=3.10",
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[CMakeExtension("moeext._C")],
