@@ -624,6 +624,33 @@ def test_invalid_out_arguments(device, change, message, caller):
         assert bool((t == -3).all()) or bool((t == 0).all())
 
 
+# The fakes make the kernels' checks in the kernels' words (dtypes spelled as Python spells
+# them), so a traced graph refuses the same arguments. Devices and strides only the kernels
+# check: on meta every tensor is on one device.
+FAKE_INVALID = [(change, message, False) for change, message in INVALID
+                if message != "correction_bias is on meta"]
+FAKE_INVALID += [(change, message.replace(" be Float", " be torch.float32")
+                  .replace(" be Int", " be torch.int32"), True)
+                 for change, message in INVALID_OUT if "contiguous columns" not in message]
+
+
+@pytest.mark.parametrize("change,message,out_form", FAKE_INVALID,
+                         ids=[m for _, m, _ in FAKE_INVALID])
+def test_fakes_reject_the_invalid_arguments(change, message, out_form):
+    args = _valid_args("meta")
+    if out_form:
+        del args["topk"]
+        outputs = dict(topk_weights=torch.empty(4, 8, device="meta"),
+                       topk_ids=torch.empty(4, 8, dtype=torch.int32, device="meta"))
+        outputs.update(change("meta"))
+        with pytest.raises(RuntimeError, match=_literal(message)):
+            moeext.biased_grouped_topk_out(**args, **outputs)
+    else:
+        args.update(change("meta"))
+        with pytest.raises(RuntimeError, match=_literal(message)):
+            moeext.biased_grouped_topk(**args)
+
+
 @pytest.mark.parametrize("caller", list(CALLERS))
 def test_out_must_not_overlap_its_inputs_or_itself(device, caller):
     # As torch's out= ops: a write into memory a read or another write covers would make the
