@@ -335,6 +335,10 @@ def test_a_checkpoint_sharing_the_slots_memory_is_refused(device):
     with pytest.raises(ValueError, match=overlap + r" \(their byte ranges in one storage"):
         loading.load_shard_(base[:, :1], base[:, 1:], 0, 0, 1)
     assert torch.equal(base, before)
+    raw = torch.full((16,), 7, dtype=torch.uint8, device=device)  # sharing one byte: refused
+    with pytest.raises(ValueError, match=overlap):
+        loading.load_shard_(raw[:4].view(4, 1), raw[3:11].view(8, 1), 0, 0, 2)
+    assert bool((raw == 7).all())
     loading.load_shard_(base[:4], base[4:12], 0, 1, 2)  # apart in one allocation: fine
     assert torch.equal(base[:4], before[8:12])
 

@@ -356,6 +356,8 @@ def test_quantize_rejects(x, match):
     (torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), "agree"),
     (torch.zeros(4, 16, dtype=torch.uint8), torch.tensor(1, dtype=torch.uint8), "scales must"),
     (torch.zeros(4, 16, dtype=torch.uint8), None, "scales must be a torch.Tensor"),
+    (torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8, device="meta"),
+     "packed is on cpu but scales is on meta"),
 ])
 def test_dequantize_rejects(packed, scales, match):
     with pytest.raises(ValueError, match=match):

@@ -115,6 +115,17 @@ def test_from_config_matches_the_preset(config, expected):  # configuration only
     assert ("e_score_correction_bias" in router.state_dict()) == p.has_bias
 
 
+def test_from_config_defaults_where_the_config_is_silent():  # configuration only
+    # DeepSeek-V3's config class defaults: norm_topk_prob True, noaux_tc (a bias), sigmoid;
+    # an n_group or topk_group of null (configs without groups) is one group. A new router's
+    # bias is zero, so it routes unbiased until a checkpoint loads one.
+    router = GroupedTopKRouter.from_config(dict(hidden_size=32, n_routed_experts=16,
+                                                n_group=None, topk_group=None))
+    assert (router.num_expert_group, router.topk_group, router.top_k, router.renormalize,
+            router.scoring_func, router.routed_scaling_factor) == (1, 1, 8, True, "sigmoid", 1.0)
+    assert torch.equal(router.e_score_correction_bias, torch.zeros(16))
+
+
 def test_from_config_keywords_override_every_setting():  # configuration only
     router = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, hidden_size=64, num_experts=32,
                                            top_k=4)
