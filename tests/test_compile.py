@@ -108,6 +108,37 @@ def test_fake_rejects_what_the_kernel_rejects():  # meta tensors only: no device
     assert ids.shape == (4, 8) and ids.dtype == torch.int32
 
 
+def _mixed_device_calls():
+    cpu = dict(device="cpu")
+    gpu = dict(device="cuda")  # a fake tensor's device: no GPU is needed
+    logits, weights = torch.empty(4, 64, **cpu), torch.empty(4, 8, **cpu)
+    return [
+        (lambda: torch.ops.moeext.biased_grouped_topk(
+            logits, torch.empty(64, **gpu), 8, 4, 8, True, 1.0, "sigmoid"),
+         "biased_grouped_topk: correction_bias is on cuda:0 but gating_output is on cpu"),
+        (lambda: torch.ops.moeext.biased_grouped_topk_out(
+            logits, None, weights, torch.empty(4, 8, dtype=torch.int32, **gpu), 8, 4, True,
+            1.0, "sigmoid"),
+         "biased_grouped_topk_out: topk_ids is on cuda:0 but gating_output is on cpu"),
+        (lambda: torch.ops.moeext.router_gemm(torch.empty(2, 16, **cpu),
+                                              torch.empty(8, 16, **gpu), None),
+         "router_gemm: weight is on cuda:0 but hidden_states is on cpu"),
+        (lambda: torch.ops.moeext.zero_tail_tracked_(
+            torch.empty(8, 4, **cpu), torch.zeros(1, dtype=torch.int64, **gpu), 2),
+         "zero_tail_tracked_: state is on cuda:0 but buf is on cpu"),
+    ]
+
+
+def test_fakes_reject_mixed_devices():
+    # Fake tensors carry any device, so the fakes' device checks run on a CPU-only machine.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for call, message in _mixed_device_calls():
+            with pytest.raises(RuntimeError, match=message):
+                call()
+
+
 @pytest.mark.parametrize("device_of_call", ["cpu", "meta"])  # the kernel, then the fake
 def test_fake_and_kernel_reject_a_size_or_rank_alike(device_of_call):
     # More experts than int32 ids hold: an expanded row, so nothing is allocated.

@@ -1,5 +1,6 @@
 """moeext.biased_grouped_topk against moeext.reference (SPEC.md section 1)."""
 
+import math
 import random
 
 import pytest
@@ -194,6 +195,28 @@ def test_weights_come_from_unbiased_scores(device):
     w, ids = moeext.biased_grouped_topk(logits, bias, 1, 1, 2, renormalize=False)
     assert ids.tolist() == [[0, 2]]
     torch.testing.assert_close(w.cpu(), torch.sigmoid(torch.tensor([[0.0, -1.0]])))
+
+
+def test_rows_worked_out_by_hand(device_isa):
+    """Expectations written out, not taken from the reference, so the two cannot share a bug:
+    a NaN logit ranks below every finite one (SPEC step 2), and renormalisation adds 1e-20
+    (step 7). 17 rows: one block of rows in lanes and one row of its own."""
+    device, _ = device_isa
+
+    def sigmoid(x):
+        return 1 / (1 + math.exp(-x))
+
+    logits = torch.tensor([[0.0, float("nan"), 1.0, -1.0]] * 17, device=device)
+    weights, ids = moeext.biased_grouped_topk(logits, None, 1, 1, 3)
+    assert ids.tolist() == [[2, 0, 3]] * 17
+    s = [sigmoid(1.0), sigmoid(0.0), sigmoid(-1.0)]
+    torch.testing.assert_close(weights.cpu(), torch.tensor([[v / sum(s) for v in s]] * 17))
+    # Scores near 1e-26: their sum is far below the 1e-20 added to it.
+    logits = torch.tensor([[-60.0, -61.0]] * 17, device=device)
+    weights, ids = moeext.biased_grouped_topk(logits, None, 1, 1, 2)
+    s = [sigmoid(-60.0), sigmoid(-61.0)]
+    expected = torch.tensor([[v / (sum(s) + 1e-20) for v in s]] * 17)
+    torch.testing.assert_close(weights.cpu(), expected, rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
