@@ -44,6 +44,10 @@ def shard_range(width: int, tp_rank: int, tp_size: int) -> Tuple[int, int]:
     if not _is_int(width) or width < 0:
         raise ValueError(f"{op}: width must be an int >= 0, got {width!r}")
     _check_tp(op, tp_rank, tp_size)
+    return _shard_range(width, tp_rank, tp_size)
+
+
+def _shard_range(width: int, tp_rank: int, tp_size: int) -> Tuple[int, int]:
     per_rank = -(-width // tp_size)
     return min(width, tp_rank * per_rank), min(width, (tp_rank + 1) * per_rank)
 
@@ -233,7 +237,7 @@ def load_shard_(
         raise ValueError(f"{op}: param_slot.size({shard_dim}) must hold ceil(W / tp_size) = "
                          f"ceil({width} / {tp_size}) = {per_rank}{half}, got {padded}{half}")
 
-    start, stop = shard_range(width, tp_rank, tp_size)
+    start, stop = _shard_range(width, tp_rank, tp_size)  # checked above
     if fused_gate_up:
         for half in range(2):
             _load_part(param_slot.narrow(dim, half * padded, padded),
