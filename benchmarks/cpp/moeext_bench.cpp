@@ -4,6 +4,9 @@
 // where bytes is an explicit model of the bytes each call must read and write, and peak is a
 // streaming copy measured by this binary in the same run (a case whose bytes stay in the cache
 // between calls, such as a small zero_tail tail, can pass 100%).
+// Before a case is timed, one call's outputs are checked against values this file computes on
+// its own (routing and GEMM in double, the shuffles and the zeroing from SPEC.md's formulas);
+// a case that fails is reported on stderr and not timed, and the binary exits 1.
 //
 //   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16]
 //                [--threads N]
@@ -15,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -54,6 +58,7 @@ struct Case {
   double bytes;                    // modelled bytes read + written by one call
   int rotations;                   // distinct input sets the calls cycle through
   std::function<void(int)> call;   // runs one call on input set i
+  std::function<std::string()> check;  // one call, then "" if its outputs are right, or why not
 };
 
 struct Result {
@@ -191,6 +196,17 @@ uint16_t to_bf16(float x) {
   return uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+double from_bf16(uint16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::string at_row(int64_t row, const std::string& what) {
+  return "row " + std::to_string(row) + ": " + what;
+}
+
 struct Preset {
   const char* name;
   int64_t experts, groups, topk_group, topk;
@@ -216,6 +232,95 @@ struct TopkData {
   std::vector<float> weights;
   std::vector<int32_t> ids;
 };
+
+// The routed rows of input set 0 against scores computed here in double. The kernel's exp is
+// within an ulp of the rounded one, so its fp32 scores may differ from these by a few ulps:
+// experts, or groups, closer than kRoutingTolerance may rank either way.
+constexpr double kRoutingTolerance = 1e-5;
+
+std::string check_routed_rows(const Preset& preset, const TopkData& data, int64_t tokens) {
+  const int64_t experts = preset.experts, k = preset.topk, groups = preset.groups;
+  const int64_t group_size = experts / groups;
+  std::vector<double> s(static_cast<size_t>(experts)), b(s.size());
+  std::vector<double> group_score(static_cast<size_t>(groups));
+  std::vector<char> chosen(s.size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* logits = data.logits[0].data() + t * experts;
+    double max_logit = -INFINITY, sum = 0;
+    for (int64_t e = 0; e < experts; ++e) max_logit = std::max(max_logit, from_bf16(logits[e]));
+    for (int64_t e = 0; e < experts; ++e) {
+      const double x = from_bf16(logits[e]);
+      switch (preset.scoring) {
+        case moeext::ScoringFunc::kSigmoid:
+          s[e] = 1 / (1 + std::exp(-x));
+          break;
+        case moeext::ScoringFunc::kSqrtSoftplus:
+          s[e] = std::sqrt(x > 20 ? x : std::log1p(std::exp(x)));
+          break;
+        case moeext::ScoringFunc::kSoftmax:
+          s[e] = std::exp(x - max_logit);
+          sum += s[e];
+          break;
+      }
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      if (preset.scoring == moeext::ScoringFunc::kSoftmax) s[e] /= sum;
+      b[e] = s[e] + (preset.bias ? double(data.bias[e]) : 0.0);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      double first = -INFINITY, second = -INFINITY;
+      for (int64_t e = g * group_size; e < (g + 1) * group_size; ++e) {
+        second = std::max(second, std::min(first, b[e]));
+        first = std::max(first, b[e]);
+      }
+      group_score[g] = preset.bias && group_size > 1 ? first + second : first;
+    }
+    // Dropped: topk_group groups score clearly above it. Kept: fewer than topk_group come near.
+    auto groups_above = [&](int64_t g, double margin) {
+      int64_t n = 0;
+      for (int64_t h = 0; h < groups; ++h) n += h != g && group_score[h] > group_score[g] + margin;
+      return n;
+    };
+    auto dropped = [&](int64_t g) {
+      return groups_above(g, kRoutingTolerance) >= preset.topk_group;
+    };
+    auto kept = [&](int64_t g) {
+      return groups_above(g, -kRoutingTolerance) < preset.topk_group;
+    };
+
+    const float* weights = data.weights.data() + t * k;
+    const int32_t* ids = data.ids.data() + t * k;
+    std::fill(chosen.begin(), chosen.end(), 0);
+    double weight_sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t id = ids[j];
+      const std::string name = "id " + std::to_string(id);
+      if (id < 0 || id >= experts) return at_row(t, name + " out of range");
+      if (chosen[id]) return at_row(t, name + " chosen twice");
+      chosen[id] = 1;
+      if (dropped(id / group_size)) return at_row(t, name + " in a dropped group");
+      if (j > 0 && b[id] > b[ids[j - 1]] + kRoutingTolerance) {
+        return at_row(t, name + " ranked below a smaller score");
+      }
+      weight_sum += s[id];
+    }
+    const double last = b[ids[k - 1]];
+    for (int64_t e = 0; e < experts; ++e) {
+      if (!chosen[e] && kept(e / group_size) && b[e] > last + kRoutingTolerance) {
+        return at_row(t, "expert " + std::to_string(e) + " left out above the last chosen");
+      }
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const double norm = preset.renormalize ? weight_sum + 1e-20 : 1.0;
+      const double want = s[ids[j]] / norm * preset.scale;
+      if (std::abs(weights[j] - want) > 1e-5 * std::max(1.0, std::abs(want))) {
+        return at_row(t, "weight " + std::to_string(weights[j]) + ", expected " +
+                             std::to_string(want));
+      }
+    }
+  }
+  return "";
+}
 
 void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
   const std::vector<int64_t> tokens = opt.quick ? std::vector<int64_t>{1, 64}
@@ -261,7 +366,7 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
       const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
       const double bytes = in_bytes + (preset.bias ? preset.experts * 4.0 : 0.0) +
                            double(t) * preset.topk * 8;
-      cases.push_back({"grouped_topk", shape, bytes, rot, [data, p, grain](int i) mutable {
+      auto call = [data, p, grain](int i) mutable {
         p.gating_output = data->logits[size_t(i)].data();
         const int64_t threads =
             std::min<int64_t>(omp_get_max_threads(), (p.num_tokens + grain - 1) / grain);
@@ -275,16 +380,45 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
           moeext::biased_grouped_topk_cpu(p, std::min(p.num_tokens, c * chunk),
                                           std::min(p.num_tokens, (c + 1) * chunk));
         }
-      }});
+      };
+      auto check = [call, data, preset, t]() mutable {
+        call(0);
+        return check_routed_rows(preset, *data, t);
+      };
+      cases.push_back({"grouped_topk", shape, bytes, rot, call, check});
     }
   }
 }
 
 struct GemmData {
   std::vector<std::vector<uint16_t>> weights;  // bf16 [E, H], one set per rotation
+  std::vector<uint16_t> first_weight;          // set 0 in the [E, H] layout, for the check
   std::vector<uint16_t> hidden;                // bf16 [T, H]
   std::vector<float> logits;
 };
+
+// Rows 0, T / 2 and T - 1 of the logits from weight set 0 against products in double, within
+// the test suite's bound for an fp32 sum of H terms: 4 sqrt(H) 2^-24 sum |x_h w_h|.
+std::string check_logits(const GemmData& data, int64_t tokens, int64_t experts, int64_t hidden) {
+  for (const int64_t t : {int64_t(0), tokens / 2, tokens - 1}) {
+    const uint16_t* x = data.hidden.data() + t * hidden;
+    for (int64_t e = 0; e < experts; ++e) {
+      const uint16_t* w = data.first_weight.data() + e * hidden;
+      double exact = 0, magnitude = 0;
+      for (int64_t h = 0; h < hidden; ++h) {
+        const double term = from_bf16(x[h]) * from_bf16(w[h]);
+        exact += term;
+        magnitude += std::abs(term);
+      }
+      const double got = data.logits[size_t(t * experts + e)];
+      if (std::abs(got - exact) > 4 * std::sqrt(double(hidden)) * 0x1p-24 * magnitude) {
+        return at_row(t, "logit " + std::to_string(e) + " is " + std::to_string(got) +
+                             ", expected " + std::to_string(exact));
+      }
+    }
+  }
+  return "";
+}
 
 // The prepacked layout of moeext.prepack_router_weight (see RouterGemmParams): experts in
 // tiles of kRouterPackTile, each tile [H / 2][width][2] (H even here).
@@ -325,6 +459,7 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
         for (auto& w : data->weights) {
           w.resize(size_t(experts * hidden));
           for (auto& v : w) v = to_bf16(0.02f * normal(gen));
+          if (data->first_weight.empty()) data->first_weight = w;
           if (prepacked) w = prepack(w, experts, hidden);
         }
         data->hidden.resize(size_t(t * hidden));
@@ -341,7 +476,7 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
         p.hidden_size = hidden;
         p.num_experts = experts;
         const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
-        cases.push_back({op, shape, bytes, rot, [data, p](int i) mutable {
+        auto call = [data, p](int i) mutable {
           p.weight = data->weights[size_t(i)].data();
           // The binding's split: its grain of expert blocks, then at::parallel_for's one
           // contiguous chunk per thread (as many threads as whole grains, at most all).
@@ -361,10 +496,61 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
             const int64_t end = std::min(p.num_experts, begin + per);
             if (begin < end) moeext::router_gemm_cpu(p, begin, end);
           }
-        }});
+        };
+        auto check = [call, data, t, experts]() mutable {
+          call(0);
+          return check_logits(*data, t, experts, hidden);
+        };
+        cases.push_back({op, shape, bytes, rot, call, check});
       }
     }
   }
+}
+
+// Bytes that tell every position apart within a few KiB, so that a chunk or a row put in the
+// wrong place shows (the copies take the same time on any bytes).
+void fill_pattern(std::vector<uint8_t>& bytes) {
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t(i * 37 + (i >> 8) * 11 + (i >> 16));
+}
+
+// SPEC.md section 3: each 16-row band of an expert, its K cut into 16-byte chunks, emitted
+// chunk column by chunk column as 16 x 16-byte tiles. With gate_up the rows are first
+// interleaved in 16-row blocks, gate (first half) and up (second half) in turn.
+std::string check_shuffled_weight(const moeext::ShuffleWeightParams& p) {
+  const auto* in = static_cast<const uint8_t*>(p.logical);
+  const auto* out = static_cast<const uint8_t*>(p.shuffled);
+  const int64_t chunks = p.row_bytes / 16;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t n = 0; n < p.rows; ++n) {
+      const int64_t source = p.gate_up ? (n / 16) % 2 * (p.rows / 2) + n / 32 * 16 + n % 16 : n;
+      const uint8_t* row = in + b * p.logical_batch_stride + source * p.logical_row_stride;
+      for (int64_t kc = 0; kc < chunks; ++kc) {
+        const int64_t at = b * p.rows * p.row_bytes + ((n / 16 * chunks + kc) * 16 + n % 16) * 16;
+        if (std::memcmp(out + at, row + kc * 16, 16) != 0) {
+          return "expert " + std::to_string(b) + ", row " + std::to_string(n) + ", chunk " +
+                 std::to_string(kc) + " is not where SPEC.md puts it";
+        }
+      }
+    }
+  }
+  return "";
+}
+
+// SPEC.md section 3: padded[a*32 + h*16 + c4][d*8 + e*4 + f], 0x7F in the padding, goes to
+// out[a*32*sn + d*256 + f*64 + c4*4 + e*2 + h] (sn the padded column count).
+std::string check_shuffled_scales(const moeext::E8m0ShuffleParams& p) {
+  for (int64_t r = 0; r < p.padded_m; ++r) {
+    for (int64_t c = 0; c < p.padded_n; ++c) {
+      const uint8_t want = r < p.m && c < p.n ? p.scale[r * p.row_stride + c * p.col_stride] : 0x7f;
+      const int64_t at = r / 32 * 32 * p.padded_n + c / 8 * 256 + c % 4 * 64 + r % 16 * 4 +
+                         (c / 4) % 2 * 2 + (r / 16) % 2;
+      if (p.shuffled[at] != want) {
+        return "scale [" + std::to_string(r) + ", " + std::to_string(c) +
+               "] is not where SPEC.md puts it";
+      }
+    }
+  }
+  return "";
 }
 
 void add_shuffles(std::vector<Case>& cases, const Options& opt) {
@@ -377,7 +563,8 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
         std::to_string(experts) + "x[4096,3584]B" + (gate_up ? " gate_up" : "");
     if (!opt.selects("shuffle_weight", shape)) continue;
     if (!src) {
-      src = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0x3c);
+      src = std::make_shared<std::vector<uint8_t>>(weight_bytes);
+      fill_pattern(*src);
       dst = std::make_shared<std::vector<uint8_t>>(weight_bytes, 0);
     }
     moeext::ShuffleWeightParams p;
@@ -390,17 +577,24 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
     p.row_bytes = row_bytes;
     p.gate_up = gate_up;
     const int64_t bands = experts * rows / 16;
-    cases.push_back({"shuffle_weight", shape, 2.0 * double(weight_bytes), 1,
-                     [src, dst, p, bands](int) {
+    auto call = [src, dst, p, bands](int) {
 #pragma omp parallel for schedule(static)
-                       for (int64_t b = 0; b < bands; ++b) moeext::shuffle_weight_cpu(p, b, b + 1);
-                     }});
+      for (int64_t b = 0; b < bands; ++b) moeext::shuffle_weight_cpu(p, b, b + 1);
+    };
+    // The output cleared first: the two cases share it, and their first bands agree.
+    auto check = [call, dst, p]() {
+      std::fill(dst->begin(), dst->end(), 0);
+      call(0);
+      return check_shuffled_weight(p);
+    };
+    cases.push_back({"shuffle_weight", shape, 2.0 * double(weight_bytes), 1, call, check});
   }
   const int64_t m = experts * rows, n = 224;  // one E8M0 scale per 32 fp4 values
   const std::string shape = "[" + std::to_string(m) + ",224]";
   if (!opt.selects("e8m0_shuffle", shape)) return;
   const int64_t padded_m = (m + 255) / 256 * 256, padded_n = (n + 7) / 8 * 8;
-  auto scales = std::make_shared<std::vector<uint8_t>>(size_t(m * n), 0x7f);
+  auto scales = std::make_shared<std::vector<uint8_t>>(size_t(m * n));
+  fill_pattern(*scales);
   auto shuffled = std::make_shared<std::vector<uint8_t>>(size_t(padded_m * padded_n), 0);
   moeext::E8m0ShuffleParams sp;
   sp.scale = scales->data();
@@ -410,12 +604,16 @@ void add_shuffles(std::vector<Case>& cases, const Options& opt) {
   sp.padded_m = padded_m;
   sp.padded_n = padded_n;
   sp.shuffled = shuffled->data();
-  cases.push_back({"e8m0_shuffle", shape, double(m * n + padded_m * padded_n), 1,
-                   [scales, shuffled, sp](int) {
-                     const int64_t blocks = sp.padded_m / 32;
+  auto call = [scales, shuffled, sp](int) {
+    const int64_t blocks = sp.padded_m / 32;
 #pragma omp parallel for schedule(static)
-                     for (int64_t a = 0; a < blocks; ++a) moeext::e8m0_shuffle_cpu(sp, a, a + 1);
-                   }});
+    for (int64_t a = 0; a < blocks; ++a) moeext::e8m0_shuffle_cpu(sp, a, a + 1);
+  };
+  auto check = [call, sp]() {
+    call(0);
+    return check_shuffled_scales(sp);
+  };
+  cases.push_back({"e8m0_shuffle", shape, double(m * n + padded_m * padded_n), 1, call, check});
 }
 
 void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
@@ -434,19 +632,31 @@ void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
     p.row_begin = rows - int64_t(double(rows) * tail);
     p.row_end = rows;
     const int64_t chunk = int64_t(1) << 18;  // 1 MiB of int32 per task, as in the binding
-    cases.push_back({"zero_tail", shape, 4.0 * double(p.row_end - p.row_begin), 1,
-                     [buf, p, chunk](int) {
-                       const int64_t chunks = (p.row_end - p.row_begin + chunk - 1) / chunk;
-                       if (chunks <= 1) {
-                         moeext::zero_rows_cpu(p, p.row_begin, p.row_end);
-                         return;
-                       }
+    auto call = [buf, p, chunk](int) {
+      const int64_t chunks = (p.row_end - p.row_begin + chunk - 1) / chunk;
+      if (chunks <= 1) {
+        moeext::zero_rows_cpu(p, p.row_begin, p.row_end);
+        return;
+      }
 #pragma omp parallel for schedule(static)
-                       for (int64_t c = 0; c < chunks; ++c) {
-                         moeext::zero_rows_cpu(p, p.row_begin + c * chunk,
-                                               std::min(p.row_end, p.row_begin + (c + 1) * chunk));
-                       }
-                     }});
+      for (int64_t c = 0; c < chunks; ++c) {
+        moeext::zero_rows_cpu(p, p.row_begin + c * chunk,
+                              std::min(p.row_end, p.row_begin + (c + 1) * chunk));
+      }
+    };
+    // Every row set first, so that both a row left alone and a row not zeroed show.
+    auto check = [call, buf, p]() {
+      std::fill(buf->begin(), buf->end(), 0x5a5a5a5a);
+      call(0);
+      for (int64_t r = 0; r < int64_t(buf->size()); ++r) {
+        const bool tail = r >= p.row_begin && r < p.row_end;
+        if ((*buf)[size_t(r)] != (tail ? 0 : 0x5a5a5a5a)) {
+          return at_row(r, tail ? "not zeroed" : "zeroed outside the tail");
+        }
+      }
+      return std::string();
+    };
+    cases.push_back({"zero_tail", shape, 4.0 * double(p.row_end - p.row_begin), 1, call, check});
   }
 }
 
@@ -525,7 +735,15 @@ int main(int argc, char** argv) {
     std::printf("%-15s %-7s %-32s %7s %12s %7s %12s %8s %6s\n", "op", "backend", "shape",
                 "samples", "median_us", "noise_%", "bytes", "GB/s", "%peak");
   }
+  bool all_right = true;
   for (const Case& c : all) {
+    const std::string wrong = c.check();
+    if (!wrong.empty()) {
+      std::fprintf(stderr, "moeext_bench: %s %s: wrong output (%s); not timed\n", c.op.c_str(),
+                   c.shape.c_str(), wrong.c_str());
+      all_right = false;
+      continue;
+    }
     const Result r = measure(c, opt);
     const double gbs = c.bytes / (r.median_us * 1e-6) / 1e9;
     if (opt.csv) {
@@ -539,5 +757,5 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
-  return 0;
+  return all_right ? 0 : 1;
 }
