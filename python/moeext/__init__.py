@@ -36,8 +36,9 @@ __version__ = "0.1.0"
 def _warn_if_the_forced_cpu_isa_is_ignored() -> None:
     # The native library reads MOEEXT_CPU_ISA once and falls back to the best path on a name
     # it does not know or a path this build or CPU lacks; a typo should not pass unnoticed.
+    # Empty counts as unset (as `MOEEXT_CPU_ISA= python ...` means), not as a typo.
     forced = os.environ.get("MOEEXT_CPU_ISA")
-    if forced is None or forced == "auto" or forced == cpu_isa():
+    if not forced or forced == "auto" or forced == cpu_isa():
         return
     available = build_info()["cpu_isas_available"]
     warnings.warn(f"MOEEXT_CPU_ISA={forced!r} is not a CPU path this build and CPU run "

@@ -441,8 +441,8 @@ def set_cpu_isa(isa: str) -> None:
     zero_tail_ and shuffle_weight have one, the same on every path.)
 
     The environment variable ``MOEEXT_CPU_ISA`` (the same names) picks the path when moeext
-    is imported; a name this build or this CPU lacks leaves the best path in place, with a
-    warning. ``set_cpu_isa`` raises ValueError for it instead.
+    is imported (unset or empty: the best); a name this build or this CPU lacks leaves the
+    best path in place, with a warning. ``set_cpu_isa`` raises ValueError for it instead.
 
     Switch between calls: each chunk of a call's work reads the path when it starts, so a
     call that runs while another thread switches may mix the two paths' results (each chunk
