@@ -90,6 +90,12 @@ def test_prefill_2048_tokens(device, hidden_size, num_experts):
     # and 1.
     (8, 1001, 19), (10, 7168, 17), (11, 1003, 9), (14, 1001, 19), (12, 66, 9), (23, 64, 11),
     (47, 999, 21), (34, 7168, 17), (14, 0, 5), (7, 1, 3),
+    # Token lanes whose last tile of 8 experts holds 6 (no shape above takes that tile).
+    (13, 999, 22), (25, 64, 6), (9, 1001, 14),
+    # The register tiles past one token block: H walked in passes of 8192 with the sums kept
+    # in between (H = 8200: a pass of 8 after a whole one; 16500: three), and more token
+    # blocks than the stack's scratch holds (heap scratch; with and without passes).
+    (9, 8200, 13), (70, 16500, 5), (100, 300, 21),
 ])
 def test_every_cpu_path(device_isa, dtype, out_dtype, num_tokens, hidden_size, num_experts):
     """Tile edges (tokens and experts not multiples of the tile), every K tail, H = 0 and 1:
@@ -252,6 +258,8 @@ def test_fake_rejects_what_the_kernel_rejects(make_args, message):
 PACKED_SHAPES = [
     (1, 7168, 256), (4, 7168, 384), (3, 1000, 160), (17, 4096, 7), (5, 1001, 65),
     (100, 513, 64), (9, 1, 3), (4, 0, 6), (0, 64, 5), (2, 31, 129), (300, 66, 70),
+    # A last tile of 33-48 experts: three 16-lane vectors.
+    (7, 257, 40), (40, 257, 112),
 ]
 
 
