@@ -62,6 +62,12 @@ TOPOLOGIES = [
     (1024, 16, 4, 32),
     (1024, 1, 1, 32),
     (1024, 32, 8, 64),
+    # More groups than one vector of group scores holds (16 on AVX-512, 8 elsewhere), some
+    # dropped, and topk <= 2 * topk_group: the general path's kept ranges, and its floor from
+    # their second largest.
+    (40, 20, 4, 4),
+    (64, 32, 4, 8),
+    (1024, 64, 8, 16),
 ]
 
 
@@ -104,6 +110,23 @@ def test_long_ranges_with_partial_vectors(device_isa, topology, scoring_func):
                       topk=topk, routed_scaling_factor=2.5, scoring_func=scoring_func)
 
 
+# Softmax rows of up to 16 vectors are held in registers, by an instance per vector count:
+# every count from 1 to 16 on AVX-512 (16 lanes; 8 lanes elsewhere take 1 to 8), each with a
+# partial last vector, and Qwen3-style routers (128 experts, softmax, top 8) on whole ones.
+SOFTMAX_WIDTHS = [16 * n - 3 for n in range(1, 17)] + [128]
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("num_experts", SOFTMAX_WIDTHS)
+def test_softmax_rows_of_every_width(device_isa, num_experts, with_bias):
+    device, _ = device_isa
+    logits, bias = make_inputs(33, num_experts, torch.bfloat16,
+                               torch.float32 if with_bias else None, seed=num_experts,
+                               device=device)
+    run_and_check(logits, bias, num_expert_group=1, topk_group=1, topk=min(8, num_experts),
+                  scoring_func="softmax")
+
+
 @pytest.mark.parametrize("layout", ["column_stride_2", "transposed", "row_slice"])
 @pytest.mark.parametrize("logits_dtype", FLOAT_DTYPES)
 def test_non_contiguous(device_isa, layout, logits_dtype):
@@ -118,11 +141,11 @@ def test_non_contiguous(device_isa, layout, logits_dtype):
     else:
         logits = base[1::2, 3 : 3 + num_experts]
     assert not logits.is_contiguous()
-    bias = (2 + 0.05 * torch.randn(2 * num_experts, generator=g)).to(device)[::2]  # strided too
-    run_and_check(logits, bias, num_expert_group=8, topk_group=4, topk=8,
-                  routed_scaling_factor=2.5)
-    run_and_check(logits, bias.contiguous().bfloat16(), num_expert_group=8, topk_group=4,
-                  topk=8, routed_scaling_factor=2.5)
+    wide_bias = 2 + 0.05 * torch.randn(2 * num_experts, generator=g)
+    for bias_dtype in FLOAT_DTYPES:  # the bias strided too, in each dtype the kernel reads
+        bias = wide_bias.to(bias_dtype).to(device)[::2]
+        run_and_check(logits, bias, num_expert_group=8, topk_group=4, topk=8,
+                      routed_scaling_factor=2.5)
 
 
 @pytest.mark.parametrize("num_tokens", [0, 5, 300])
