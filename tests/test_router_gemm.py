@@ -341,6 +341,9 @@ PACKED_ERROR_CASES = [
     (lambda: (torch.randn(2, 4), torch.randn(2, 3, 2), None),
      r"router_gemm: a prepacked weight and hidden_states must both be bfloat16, got weight "
      r"Float and hidden_states Float"),
+    (lambda: (torch.randn(2, 4).bfloat16(), torch.randn(2, 3, 2), None),
+     r"router_gemm: a prepacked weight and hidden_states must both be bfloat16, got weight "
+     r"Float and hidden_states BFloat16"),
     (lambda: (torch.randn(2, 4).half(), _packed(3, 4), None),
      r"router_gemm: a prepacked weight and hidden_states must both be bfloat16, got weight "
      r"BFloat16 and hidden_states Half"),

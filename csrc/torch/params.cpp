@@ -470,7 +470,7 @@ E8m0ShuffleParams make_e8m0_unshuffle_params(const at::Tensor& shuffled, int64_t
   TORCH_CHECK(shuffled.dim() == 2 && shuffled.size(0) == p.padded_m &&
                   shuffled.size(1) == p.padded_n,
               op, ": shuffled must have the padded shape [", p.padded_m, ", ", p.padded_n,
-              "] of an [", m, ", ", n, "] scale, got ", shuffled.sizes());
+              "] of a [", m, ", ", n, "] scale, got ", shuffled.sizes());
   return p;
 }
 

@@ -247,6 +247,6 @@ def _e8m0_unshuffle_fake(shuffled, m, n, gate_up=False, num_experts=None):
     _check_scale_experts(op, m, gate_up, num_experts)
     torch._check(tuple(shuffled.shape) == _padded_scale_shape(m, n),
                  lambda: f"{op}: shuffled must have the padded shape "
-                 f"{list(_padded_scale_shape(m, n))} of an [{m}, {n}] scale, got "
+                 f"{list(_padded_scale_shape(m, n))} of a [{m}, {n}] scale, got "
                  f"{list(shuffled.shape)}")
     return shuffled.new_empty((m, n))
