@@ -840,6 +840,19 @@ def test_direct_call_is_the_op(device, preset, num_tokens):
     assert bool((weights[:, p.topk:] == -3.0).all()) and bool((ids[:, p.topk:] == -3).all())
 
 
+def test_direct_call_takes_an_int_scaling_factor_as_torch_ops_does():
+    # Config files write routed_scaling_factor: 1 or 16 as JSON ints.
+    logits, _ = make_inputs(9, 160, torch.bfloat16, None)
+    args = (logits, None, 8, 3, 6, False, 16, "softmax")
+    direct = moeext._C.call_biased_grouped_topk(*args)
+    assert isinstance(direct, tuple)  # taken, not declined
+    expected = torch.ops.moeext.biased_grouped_topk(*args[:6], 16.0, args[7])
+    assert torch.equal(direct[0], expected[0]) and torch.equal(direct[1], expected[1])
+    weights, ids = torch.empty(9, 6), torch.empty(9, 6, dtype=torch.int32)
+    moeext._C.call_biased_grouped_topk_out(logits, None, weights, ids, 8, 3, False, 16, "softmax")
+    assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+
+
 class _Tagged(torch.Tensor):
     """A subclass whose __torch_function__ records the functions it sees."""
 

@@ -255,6 +255,10 @@ def test_refuses_a_leaf_that_requires_grad_and_writes_nothing(device):
     row = y.unbind(0)[0]
     with pytest.raises(RuntimeError, match="multiple views"):
         moeext.zero_tail_(row, 0, 2)
+    with torch.no_grad():
+        rows = y[1:]
+    with pytest.raises(RuntimeError, match="A view was created in no_grad mode"):
+        moeext.zero_tail_(rows, 0, 2)
     assert bool((y == 2).all())
     # Under no_grad the leaf is written, as with torch's zero_.
     with torch.no_grad():
