@@ -1,5 +1,7 @@
 """moeext.nn.GroupedTopKRouter: checkpoint loading, dtypes, routing, torch.compile."""
 
+import types
+
 import pytest
 import torch
 
@@ -99,12 +101,16 @@ def test_loads_the_deepseek_inference_bias_name(device):
     assert torch.equal(router.e_score_correction_bias.cpu(), bias)
 
 
+# A config.json read as a dict, or a config object with the keys as attributes (as
+# transformers' PretrainedConfig holds them).
+@pytest.mark.parametrize("as_object", [False, True], ids=["dict", "object"])
 @pytest.mark.parametrize("config,expected", [
     (DEEPSEEK_V3_CONFIG, "deepseek-v3"), (KIMI_K2_CONFIG, "kimi-k2"),
     (GLM_45_CONFIG, "glm-4.5"), (DEEPSEEK_V2_CONFIG, "deepseek-v2"),
 ])
-def test_from_config_matches_the_preset(config, expected):  # configuration only: no tensors run
-    router = GroupedTopKRouter.from_config(config)
+def test_from_config_matches_the_preset(config, expected, as_object):  # configuration only
+    router = GroupedTopKRouter.from_config(types.SimpleNamespace(**config) if as_object
+                                           else config)
     p = PRESETS[expected]
     assert (router.num_experts, router.num_expert_group, router.topk_group, router.top_k,
             router.routed_scaling_factor, router.scoring_func, router.renormalize) == (
