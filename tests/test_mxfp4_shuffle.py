@@ -115,6 +115,7 @@ def test_shuffle_weight(device, dtype, shape):
     assert out.is_contiguous() and out.device == w.device
     assert_same_bytes(out, reference.shuffle_weight(to_cpu(w)))
     assert_same_bytes(moeext.unshuffle_weight(out), w)
+    assert_same_bytes(reference.unshuffle_weight(to_cpu(out)), w)
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -178,6 +179,7 @@ def test_e8m0_shuffle(device_isa, dtype, shape):
     assert out.shape == (pm, pn) and out.dtype == dtype and out.device == s.device
     assert_same_bytes(out, reference.e8m0_shuffle(to_cpu(s)))
     assert_same_bytes(moeext.e8m0_unshuffle(out, *shape), s)
+    assert_same_bytes(reference.e8m0_unshuffle(to_cpu(out), *shape), s)
     # Padding is 0x7F (1.0), never NaN.
     padded = moeext.e8m0_unshuffle(out, pm, pn).view(torch.uint8)
     assert padded.device == s.device

@@ -279,7 +279,8 @@ def test_prepacked_weight_on_every_cpu_path(cpu_isa, out_dtype, num_tokens, hidd
         assert torch.equal(bf16, got.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("hidden_size,num_experts", [(3, 65), (4, 64), (1, 1), (0, 3), (7, 130)])
+@pytest.mark.parametrize("hidden_size,num_experts", [(3, 65), (4, 64), (1, 1), (0, 3), (7, 130),
+                                                     (5, 0)])
 def test_prepacked_layout_is_the_documented_one(hidden_size, num_experts):
     """Element (k, e, j) of expert e's pair k, in its tile of 64, at the documented place."""
     weight = torch.arange(num_experts * hidden_size, dtype=torch.float32)
