@@ -247,6 +247,14 @@ def test_prepacked_and_unpacked_routers_exchange_state_dicts():
     packed.load_state_dict(plain.state_dict())
     assert torch.equal(packed.state_dict()["weight"], plain.weight)
     assert "prepack_weight=True" in repr(packed)
+    # A weight packed already (the parameter itself, copied) loads as it is; a state dict
+    # without a weight leaves the packed one in place.
+    other = GroupedTopKRouter.from_preset("glm-4.5", 101, prepack_weight=True)
+    other.load_state_dict({"weight": packed.weight.detach().clone(),
+                           "e_score_correction_bias": packed.e_score_correction_bias})
+    assert torch.equal(other.weight, packed.weight)
+    missing = other.load_state_dict({"e_score_correction_bias": torch.ones(160)}, strict=False)
+    assert missing.missing_keys == ["weight"] and torch.equal(other.weight, packed.weight)
 
 
 @pytest.mark.parametrize("kwargs,message", [
