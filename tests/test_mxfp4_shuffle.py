@@ -128,6 +128,15 @@ def test_shuffle_weight_gate_up(device, dtype):
     assert_same_bytes(reference.unshuffle_weight(to_cpu(out), gate_up=True), w)
 
 
+def test_shuffle_weight_of_an_output_asked_for_huge_pages(device):
+    # The CPU op asks for transparent huge pages for outputs of 16 MiB and more.
+    w = random_bytes((4, 1024, 4128), torch.uint8, seed=11, device=device)
+    out = moeext.shuffle_weight(w, gate_up=True)
+    assert out.numel() >= 16 << 20
+    assert_same_bytes(out, reference.shuffle_weight(to_cpu(w), gate_up=True))
+    assert_same_bytes(moeext.unshuffle_weight(out, gate_up=True), w)
+
+
 @pytest.mark.parametrize("layout", [(16, 16), (32, 16), (16, 32), (8, 64)])
 def test_shuffle_weight_layouts(device, layout):
     w = random_bytes((2, 64, 128), torch.uint8, seed=5, device=device)
@@ -201,16 +210,17 @@ def test_e8m0_shuffle_gate_up_and_strides(device_isa, n):
         assert_same_bytes(moeext.e8m0_shuffle(view), expected)
 
 
-# Outputs of 8 MiB and more leave the AVX2 path by non-temporal stores (cpu/mxfp4_shuffle.cpp):
-# 9 MiB here, whole tiles in fours and a rest of two, then a padded tile of 6 columns.
+# Outputs of 8 MiB and more leave the AVX2 path by non-temporal stores (cpu/mxfp4_shuffle.cpp),
+# and the CPU ops ask for huge pages for outputs of 16 MiB and more: 17-18 MiB here, whole
+# tiles in fours and a rest of two, then a padded tile of 6 columns.
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_e8m0_shuffle_of_an_output_past_the_streaming_size(device_isa, gate_up):
     device, _ = device_isa
-    m, n = (36 * 1024, 246) if gate_up else (37000, 246)
-    kwargs = {"gate_up": True, "num_experts": 36} if gate_up else {}
+    m, n = (72 * 1024, 246) if gate_up else (70000, 246)
+    kwargs = {"gate_up": True, "num_experts": 72} if gate_up else {}
     s = random_bytes((m, n), torch.uint8, seed=10, device=device)
     out = moeext.e8m0_shuffle(s, **kwargs)
-    assert out.numel() >= 8 << 20
+    assert out.numel() >= 16 << 20
     assert_same_bytes(out, reference.e8m0_shuffle(s.cpu(), **kwargs))
     assert_same_bytes(moeext.e8m0_unshuffle(out, m, n, **kwargs), s)
 
