@@ -117,6 +117,10 @@ def test_empty_ranks_are_all_zeros(device):
     slot = _garbage_slot((OTHER, 2), torch.uint8, device)
     assert loading.load_shard_(slot, ckpt, 1, 0, 2) == (0, 0)
     assert int(slot.count_nonzero()) == 0
+    # A slot of no elements (no rows; the shard dim 8 wide) returns its range, writes nothing.
+    ckpt = _checkpoint((0, 16), torch.bfloat16, seed=0, device=device)
+    empty = torch.empty(0, 8, dtype=torch.bfloat16, device=device)
+    assert loading.load_shard_(empty, ckpt, 1, 1, 2) == (8, 16)
 
 
 @pytest.mark.parametrize("bad_rule", [padded_offset_range, floor_range])

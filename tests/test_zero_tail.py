@@ -44,6 +44,11 @@ def test_strided_along_dim0(device):
     expected = torch.full((40, 8), 3, dtype=torch.int32, device=device)
     expected[8:30:2, :5] = 0
     assert torch.equal(base, expected)
+    # A row is one byte range whatever the stride of a size-1 dim within it says.
+    base = torch.full((10, 4), 3, dtype=torch.int32, device=device)
+    moeext.zero_tail_(base.as_strided((10, 1, 4), (4, 7, 1)), 3, 8)
+    assert torch.equal(base.count_nonzero(1), torch.tensor([4, 4, 4, 0, 0, 0, 0, 0, 4, 4],
+                                                           device=device))
 
 
 def test_large_buffer_in_parallel(device):
