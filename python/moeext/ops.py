@@ -406,8 +406,9 @@ def e8m0_shuffle(scale: torch.Tensor, gate_up: bool = False,
 
     ``gate_up=True`` first interleaves gate and up rows in 16-row blocks inside each expert's
     rows, as AITER's ``shuffle_scale_a16w4(s, num_experts, gate_up=True)``; it needs
-    ``num_experts`` and ``m / num_experts`` a multiple of 32. E8M0 codes are exponents:
-    like integers, the result carries no gradient (it never requires grad).
+    ``num_experts`` and ``m / num_experts`` a multiple of 32; without gate_up it is not
+    read (AITER's ``shuffle_scale_a16w4`` takes the count either way). E8M0 codes are
+    exponents: like integers, the result carries no gradient (it never requires grad).
     """
     if not _is_scripting():
         _check_tensors("e8m0_shuffle", scale=scale)
