@@ -207,6 +207,24 @@ std::string at_row(int64_t row, const std::string& what) {
   return "row " + std::to_string(row) + ": " + what;
 }
 
+// Items [0, items) split as the torch bindings' at::parallel_for splits them: one contiguous
+// chunk per thread, as many threads as whole grains (at most all), and below two threads the
+// calling thread alone, with no parallel region. run(begin, end) does one chunk.
+template <typename Run>
+void split_as_the_binding_does(int64_t items, int64_t grain, Run run) {
+  const int64_t threads = std::min<int64_t>(omp_get_max_threads(), (items + grain - 1) / grain);
+  if (threads <= 1) {
+    run(int64_t(0), items);
+    return;
+  }
+  const int64_t chunk = (items + threads - 1) / threads;
+#pragma omp parallel for schedule(static) num_threads(int(threads))
+  for (int64_t c = 0; c < threads; ++c) {
+    const int64_t begin = std::min(items, c * chunk), end = std::min(items, (c + 1) * chunk);
+    if (begin < end) run(begin, end);
+  }
+}
+
 struct Preset {
   const char* name;
   int64_t experts, groups, topk_group, topk;
@@ -361,25 +379,14 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
       p.renormalize = preset.renormalize;
       p.routed_scaling_factor = preset.scale;
       p.scoring_func = preset.scoring;
-      // The torch binding's split: its grain, then at::parallel_for's one contiguous chunk
-      // per thread (as many threads as whole grains, at most all of them).
       const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
       const double bytes = in_bytes + (preset.bias ? preset.experts * 4.0 : 0.0) +
                            double(t) * preset.topk * 8;
       auto call = [data, p, grain](int i) mutable {
         p.gating_output = data->logits[size_t(i)].data();
-        const int64_t threads =
-            std::min<int64_t>(omp_get_max_threads(), (p.num_tokens + grain - 1) / grain);
-        if (threads <= 1) {
-          moeext::biased_grouped_topk_cpu(p, 0, p.num_tokens);
-          return;
-        }
-        const int64_t chunk = (p.num_tokens + threads - 1) / threads;
-#pragma omp parallel for schedule(static) num_threads(int(threads))
-        for (int64_t c = 0; c < threads; ++c) {
-          moeext::biased_grouped_topk_cpu(p, std::min(p.num_tokens, c * chunk),
-                                          std::min(p.num_tokens, (c + 1) * chunk));
-        }
+        split_as_the_binding_does(p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+          moeext::biased_grouped_topk_cpu(p, begin, end);
+        });
       };
       auto check = [call, data, preset, t]() mutable {
         call(0);
@@ -478,24 +485,14 @@ void add_router_gemm(std::vector<Case>& cases, const Options& opt) {
         const double bytes = weight_bytes + double(t * hidden * 2) + double(t * experts * 4);
         auto call = [data, p](int i) mutable {
           p.weight = data->weights[size_t(i)].data();
-          // The binding's split: its grain of expert blocks, then at::parallel_for's one
-          // contiguous chunk per thread (as many threads as whole grains, at most all).
+          // The binding splits whole blocks of experts.
           const int64_t block = moeext::router_gemm_expert_block(p);
           const int64_t blocks = (p.num_experts + block - 1) / block;
-          const int64_t grain = moeext::router_gemm_cpu_grain(p, block);
-          const int64_t threads =
-              std::min<int64_t>(omp_get_max_threads(), (blocks + grain - 1) / grain);
-          if (threads <= 1) {
-            moeext::router_gemm_cpu(p, 0, p.num_experts);
-            return;
-          }
-          const int64_t per = (blocks + threads - 1) / threads * block;
-#pragma omp parallel for schedule(static) num_threads(int(threads))
-          for (int64_t c = 0; c < threads; ++c) {
-            const int64_t begin = c * per;
-            const int64_t end = std::min(p.num_experts, begin + per);
-            if (begin < end) moeext::router_gemm_cpu(p, begin, end);
-          }
+          split_as_the_binding_does(blocks, moeext::router_gemm_cpu_grain(p, block),
+                                    [&](int64_t begin, int64_t end) {
+                                      moeext::router_gemm_cpu(p, begin * block,
+                                                              std::min(end * block, p.num_experts));
+                                    });
         };
         auto check = [call, data, t, experts]() mutable {
           call(0);
