@@ -16,16 +16,52 @@ __all__ = ["biased_grouped_topk", "router_gemm", "unpack_router_weight", "routin
 SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
 
-def _score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of float32 values, computed in float64 and rounded once to float32: it overflows
+    to inf and underflows through the subnormals to 0 where float32's exp does."""
+    return torch.exp(x.double()).float()
+
+
+def _rounded_score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sigmoid":
+        return 1 / (1 + _exp(-x))
+    if scoring_func == "sqrtsoftplus":
+        # torch's softplus: x itself above the threshold 20, log1p(exp(x)) below.
+        return torch.sqrt(torch.where(x > 20, x, torch.log1p(_exp(x).double()).float()))
+    e = _exp(x - x.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def _torch_score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
     if scoring_func == "sigmoid":
         return torch.sigmoid(x)
     if scoring_func == "sqrtsoftplus":
-        # torch's softplus: x itself above the threshold 20, log1p(exp(x)) below.
         return torch.sqrt(torch.nn.functional.softplus(x, beta=1.0, threshold=20.0))
-    if scoring_func == "softmax":
-        e = torch.exp(x - x.amax(dim=-1, keepdim=True))
-        return e / e.sum(dim=-1, keepdim=True)
-    raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def _score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Step 1 in float32, with each exp and log1p rounded once from float64.
+
+    Not the values of torch's float32 sigmoid and softplus: in a row that is a whole tensor
+    they round the elements past the last full vector differently from the rest, so equal
+    logits could score an ulp apart and the expected order would break step 5's tie rule. A
+    float64 result rounded to float32 is the same wherever it is computed, unless it lies
+    within a float64 ulp of a rounding boundary. The derivative, where ``x`` requires grad,
+    is autograd's through torch's functions, which the composed formulas would lose to
+    0 x inf and to subnormal products at large ``|x|``.
+    """
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
+    with torch.no_grad():
+        rounded = _rounded_score(x.detach(), scoring_func)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return rounded
+    s = _torch_score(x, scoring_func)
+    # The value is rounded's (s - s is 0 where s is finite; where the two are equal, inf
+    # included, s itself), the derivative s's.
+    return torch.where(s == rounded, s, rounded + (s - s.detach()))
 
 
 def _nan_to_neg_inf(x: torch.Tensor) -> torch.Tensor:
