@@ -6,7 +6,7 @@
 # so a kernel's read or write past one lands in ASan's redzone. Any report fails the run, and
 # the reports are printed. Not part of .ci/run: the build takes about 10 minutes on two cores.
 #
-#   bash .ci/cpu_sanitize.sh                        # the whole suite, every path forced in turn
+#   bash .ci/cpu_sanitize.sh    # the whole suite, whose routing tests run every CPU path
 #   PYTEST_ARGS="-k zero_tail" bash .ci/cpu_sanitize.sh
 set -euo pipefail
 src="$(cd "$(dirname "$0")/.." && pwd)"
