@@ -1,5 +1,7 @@
 """The build itself: what it reports, the run-time ISA switch, the registered ops."""
 
+import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -122,7 +124,7 @@ def test_the_environment_forces_a_path_or_warns(forced):
     silently, and a name of no path here leaves it with a warning."""
     out = subprocess.run(
         [sys.executable, "-W", "always", "-c", "import moeext; print(moeext.cpu_isa())"],
-        env={**__import__("os").environ, "MOEEXT_CPU_ISA": forced},
+        env={**os.environ, "MOEEXT_CPU_ISA": forced},
         capture_output=True, text=True, check=True,
     )
     info = moeext.build_info()
@@ -147,3 +149,73 @@ def test_the_demo_fails_on_a_wrong_result(monkeypatch, capsys):
     monkeypatch.setattr(moeext, "biased_grouped_topk", off_by_a_percent)
     with pytest.raises(SystemExit, match="FAILED: the batches of \\[1, 4096\\] tokens differ"):
         demo.main()
+
+
+# Run in a fresh interpreter, where no moeext kernel has run yet: each op in turn, called
+# for a quarter of a second on inputs large enough for every thread to get a chunk. Prints,
+# per op, the threads that appeared and the CPU time the calling thread and the others
+# spent meanwhile (/proc's schedstat).
+_THREAD_PROBE = r"""
+import json, os, threading, time
+import torch, moeext
+
+def cpu_ns():
+    times = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                times[int(tid)] = int(f.read().split()[0])
+        except OSError:  # the thread ended meanwhile
+            pass
+    return times
+
+g = torch.Generator().manual_seed(0)
+logits, bias = torch.randn(65536, 256, generator=g), torch.randn(256, generator=g)
+hidden = torch.randn(512, 7168, generator=g).bfloat16()
+gate = torch.randn(256, 7168, generator=g).bfloat16()
+w = torch.randint(0, 256, (64, 1024, 1024), dtype=torch.uint8, generator=g)
+s = torch.randint(0, 256, (131072, 64), dtype=torch.uint8, generator=g)
+buf = torch.ones(16384, 4096)
+ops = {
+    "biased_grouped_topk": lambda: moeext.biased_grouped_topk(logits, bias, 8, 4, 8),
+    "router_gemm": lambda: moeext.router_gemm(hidden, gate),
+    "shuffle_weight": lambda: moeext.shuffle_weight(w, (16, 16)),
+    "e8m0_shuffle": lambda: moeext.e8m0_shuffle(s),
+    "zero_tail_": lambda: moeext.zero_tail_(buf, 0, buf.shape[0]),
+}
+torch.set_num_threads(2)
+torch.ones(1 << 24).add_(1)  # torch's own pool, started by one of its ops
+main = threading.get_native_id()
+report = {}
+for name, op in ops.items():
+    time.sleep(0.2)  # the pool's threads stop spinning and sleep
+    before = cpu_ns()
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.25:  # schedstat lags by up to a scheduler tick
+        op()
+    after = cpu_ns()
+    report[name] = {
+        "new_threads": len(after.keys() - before.keys()),
+        "caller_ns": after[main] - before[main],
+        "others_ns": sum(after[t] - before[t] for t in before.keys() & after.keys() if t != main),
+    }
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or
+                    not pathlib.Path("/proc/self/task/%d/schedstat" % os.getpid()).exists(),
+                    reason="needs two CPUs, and Linux's per-thread schedstat")
+def test_the_kernels_split_their_work_over_torchs_threads():
+    """The CPU ops run their parallel loops on the OpenMP threads torch's own ops use, sized
+    by torch.set_num_threads. A clang build once ran them on libomp's pool, a second set of
+    threads beside torch's libgomp ones; a build whose loops went serial would pass every
+    other test."""
+    child = subprocess.run([sys.executable, "-c", _THREAD_PROBE], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    report = json.loads(child.stdout.splitlines()[-1])
+    for name, seen in report.items():
+        assert seen["new_threads"] == 0, (name, seen)
+        # Two threads, an even split: the other thread's share is about the caller's.
+        assert seen["others_ns"] >= 0.25 * seen["caller_ns"], (name, seen)

@@ -526,6 +526,7 @@ constexpr int64_t kMaxFloorK = Vec::kMaxKthVecs >= 4 ? 4 * W : 2 * W;
 // so these 4W values are distinct experts, and their k-th largest is a floor as above. Without
 // it, routers that choose more experts than twice the lanes (Nemotron-style topk 22 on AVX2's
 // 8 lanes) made every expert a candidate: 7x the time per row.
+[[maybe_unused]]
 inline float floor_from_alternate_lanes(const float* b, const ExpertRange* ranges,
                                         int64_t num_ranges, int64_t k) {
   LaneTop2 even, odd;

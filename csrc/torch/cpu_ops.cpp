@@ -1,7 +1,6 @@
 // CPU implementations of the moeext ops: validate, fill the launcher params, split the rows
 // over torch's intra-op thread pool.
 #include <ATen/EmptyTensor.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -16,6 +15,7 @@
 #include "moeext/mxfp4_shuffle.h"
 #include "moeext/router_gemm.h"
 #include "moeext/zero_tail.h"
+#include "torch/parallel.h"
 #include "torch/params.h"
 
 namespace moeext::torch_glue {
@@ -41,7 +41,7 @@ void run_grouped_topk_cpu(const BiasedGroupedTopkParams& p) {
     biased_grouped_topk_cpu(p, 0, p.num_tokens);
     return;
   }
-  at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
     biased_grouped_topk_cpu(p, begin, end);
   });
 }
@@ -93,7 +93,7 @@ at::Tensor router_gemm_cpu_impl(const at::Tensor& hidden_states, const at::Tenso
   const int64_t block = router_gemm_expert_block(p);
   const int64_t num_blocks = (p.num_experts + block - 1) / block;
   const int64_t grain = router_gemm_cpu_grain(p, block);
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     router_gemm_cpu(p, begin * block, std::min(end * block, p.num_experts));
   });
   return logits;
@@ -102,7 +102,7 @@ at::Tensor router_gemm_cpu_impl(const at::Tensor& hidden_states, const at::Tenso
 // Zeroing streams at memory speed: below ~1 MiB a second thread costs more than it saves.
 void zero_rows_parallel(const ZeroRowsParams& p) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, p.row_bytes));
-  at::parallel_for(p.row_begin, p.row_end, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(p.row_begin, p.row_end, grain, [&](int64_t begin, int64_t end) {
     zero_rows_cpu(p, begin, end);
   });
 }
@@ -160,14 +160,14 @@ at::Tensor shuffle_weight_impl(const at::Tensor& w, at::IntArrayRef layout, bool
     const at::Tensor src = shuffle_weight_source(w);
     const ShuffleWeightParams p =
         make_shuffle_weight_params(src, out.data_ptr(), layout, gate_up, op);
-    at::parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
+    parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
                      [&](int64_t begin, int64_t end) { shuffle_weight_cpu(p, begin, end); });
   } else {
     // The shuffled layout is defined on dense memory: read a dense copy if w is a view.
     const at::Tensor src = w.contiguous();
     ShuffleWeightParams p =
         make_shuffle_weight_params(out, const_cast<void*>(src.data_ptr()), layout, gate_up, op);
-    at::parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
+    parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
                      [&](int64_t begin, int64_t end) { unshuffle_weight_cpu(p, begin, end); });
   }
   return out;
@@ -189,7 +189,7 @@ at::Tensor e8m0_shuffle_cpu_op(const at::Tensor& scale, bool gate_up,
   at::Tensor out = empty_output({p.padded_m, p.padded_n}, scale.scalar_type());
   advise_huge_pages(out);
   p.shuffled = static_cast<uint8_t*>(out.data_ptr());
-  at::parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
+  parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
                    [&](int64_t begin, int64_t end) { e8m0_shuffle_cpu(p, begin, end); });
   return out;
 }
@@ -203,7 +203,7 @@ at::Tensor e8m0_unshuffle_cpu_op(const at::Tensor& shuffled, int64_t m, int64_t 
   at::Tensor out = empty_output({m, n}, shuffled.scalar_type());
   p.shuffled_in = static_cast<const uint8_t*>(src.data_ptr());
   p.unshuffled = static_cast<uint8_t*>(out.data_ptr());
-  at::parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
+  parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
                    [&](int64_t begin, int64_t end) { e8m0_unshuffle_cpu(p, begin, end); });
   return out;
 }
