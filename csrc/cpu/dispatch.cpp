@@ -7,6 +7,10 @@
 #include <cstring>
 #include <memory>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
 #include "cpu/grouped_topk_isa.h"
 #include "cpu/router_gemm_isa.h"
 #include "moeext/common.h"
@@ -16,13 +20,23 @@
 namespace moeext {
 namespace {
 
+#if (defined(MOEEXT_HAVE_AVX2) || defined(MOEEXT_HAVE_AVX512)) && \
+    (defined(__x86_64__) || defined(_M_X64))
+// CPUID leaf 1, ECX bit 29: clang 14's __builtin_cpu_supports has no "f16c" (a build error).
+// Its registers are AVX's, whose OS support the avx2 and avx512f checks include.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
 bool cpu_has_avx512() {
 #if defined(MOEEXT_HAVE_AVX512) && (defined(__x86_64__) || defined(_M_X64))
   // libgcc's checks include the OS's XSAVE support for the ZMM state.
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+         __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
   return false;
 #endif
@@ -31,8 +45,7 @@ bool cpu_has_avx512() {
 bool cpu_has_avx2() {
 #if defined(MOEEXT_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
   return false;
 #endif
