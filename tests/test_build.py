@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_build_info():
     info = moeext.build_info()
     assert info["torch_version"] == torch.__version__.split("+")[0]
+    assert re.fullmatch(r"\S+ \d+(\.\d+)*", info["compiler"]), info["compiler"]  # "GNU 12.2.0"
     assert "cpu" in info["backends"]
     assert "scalar" in info["cpu_isas_compiled"]
     assert info["cpu_isa_best"] in info["cpu_isas_compiled"]

@@ -54,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", [] {
     py::dict info;
     info["torch_version"] = MOEEXT_TORCH_VERSION;
+    info["compiler"] = MOEEXT_CXX_COMPILER;  // CMake's id and version: "GNU 12.2.0"
 #if defined(MOEEXT_GPU_BACKEND)
     // "cuda" for both CUDA and HIP builds: torch calls HIP devices "cuda" as well.
     info["backends"] = std::vector<std::string>{"cpu", "cuda"};
@@ -69,7 +70,8 @@ PYBIND11_MODULE(_C, m) {
     info["cpu_isa_best"] = moeext::cpu_isa_name(moeext::cpu_isa_best());
     info["cpu_isa_active"] = moeext::cpu_isa_name(moeext::cpu_isa_active());
     return info;
-  }, "What this build of moeext contains: backends, CPU instruction-set paths, torch version.");
+  }, "What this build of moeext contains: backends, CPU instruction-set paths, torch version,\n"
+     "compiler.");
   m.def("cpu_isa", [] { return std::string(moeext::cpu_isa_name(moeext::cpu_isa_active())); },
         "The instruction-set path the CPU kernels use now.");
   m.def(

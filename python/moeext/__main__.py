@@ -28,7 +28,8 @@ def _median_us(fn, iters):
 def main():
     info = moeext.build_info()
     print(f"moeext {moeext.__version__} | torch {info['torch_version']} | backends "
-          f"{', '.join(info['backends'])} | CPU path {info['cpu_isa_active']}")
+          f"{', '.join(info['backends'])} | CPU path {info['cpu_isa_active']} | built by "
+          f"{info['compiler']}")
     p = PRESETS["deepseek-v3"]
     g = torch.Generator().manual_seed(0)
     failures = []
