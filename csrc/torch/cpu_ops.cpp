@@ -161,14 +161,14 @@ at::Tensor shuffle_weight_impl(const at::Tensor& w, at::IntArrayRef layout, bool
     const ShuffleWeightParams p =
         make_shuffle_weight_params(src, out.data_ptr(), layout, gate_up, op);
     parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
-                     [&](int64_t begin, int64_t end) { shuffle_weight_cpu(p, begin, end); });
+                 [&](int64_t begin, int64_t end) { shuffle_weight_cpu(p, begin, end); });
   } else {
     // The shuffled layout is defined on dense memory: read a dense copy if w is a view.
     const at::Tensor src = w.contiguous();
     ShuffleWeightParams p =
         make_shuffle_weight_params(out, const_cast<void*>(src.data_ptr()), layout, gate_up, op);
     parallel_for(0, p.batch * p.rows / p.band, grain_for(p.band * p.row_bytes),
-                     [&](int64_t begin, int64_t end) { unshuffle_weight_cpu(p, begin, end); });
+                 [&](int64_t begin, int64_t end) { unshuffle_weight_cpu(p, begin, end); });
   }
   return out;
 }
@@ -190,7 +190,7 @@ at::Tensor e8m0_shuffle_cpu_op(const at::Tensor& scale, bool gate_up,
   advise_huge_pages(out);
   p.shuffled = static_cast<uint8_t*>(out.data_ptr());
   parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
-                   [&](int64_t begin, int64_t end) { e8m0_shuffle_cpu(p, begin, end); });
+               [&](int64_t begin, int64_t end) { e8m0_shuffle_cpu(p, begin, end); });
   return out;
 }
 
@@ -204,7 +204,7 @@ at::Tensor e8m0_unshuffle_cpu_op(const at::Tensor& shuffled, int64_t m, int64_t 
   p.shuffled_in = static_cast<const uint8_t*>(src.data_ptr());
   p.unshuffled = static_cast<uint8_t*>(out.data_ptr());
   parallel_for(0, p.padded_m / 32, grain_for(32 * p.padded_n),
-                   [&](int64_t begin, int64_t end) { e8m0_unshuffle_cpu(p, begin, end); });
+               [&](int64_t begin, int64_t end) { e8m0_unshuffle_cpu(p, begin, end); });
   return out;
 }
 
