@@ -207,9 +207,10 @@ std::string at_row(int64_t row, const std::string& what) {
   return "row " + std::to_string(row) + ": " + what;
 }
 
-// Items [0, items) split as the torch bindings' at::parallel_for splits them: one contiguous
-// chunk per thread, as many threads as whole grains (at most all), and below two threads the
-// calling thread alone, with no parallel region. run(begin, end) does one chunk.
+// Items [0, items) split as the torch bindings split them (csrc/torch/parallel.h, which keeps
+// at::parallel_for's split): one contiguous chunk per thread, as many threads as whole grains
+// (at most all), and below two threads the calling thread alone, with no parallel region.
+// run(begin, end) does one chunk.
 template <typename Run>
 void split_as_the_binding_does(int64_t items, int64_t grain, Run run) {
   const int64_t threads = std::min<int64_t>(omp_get_max_threads(), (items + grain - 1) / grain);
