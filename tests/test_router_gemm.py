@@ -260,6 +260,9 @@ PACKED_SHAPES = [
     (100, 513, 64), (9, 1, 3), (4, 0, 6), (0, 64, 5), (2, 31, 129), (300, 66, 70),
     # A last tile of 33-48 experts: three 16-lane vectors.
     (7, 257, 40), (40, 257, 112),
+    # One or two tokens take register tiles as wide as a whole tile of 64 experts (8 vectors
+    # on AVX2): narrow last tiles under them, and a second tile.
+    (1, 513, 70), (2, 257, 100), (1, 1001, 200),
 ]
 
 

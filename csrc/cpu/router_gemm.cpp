@@ -764,14 +764,16 @@ namespace packed {
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
 
 // Four experts a vector, widened and multiplied as Dot<bf16_t> does. 32 vector registers on
-// aarch64: 4 x 4 accumulators, 8 + 2 operands; 16 on x86-64: 2 x 4, 4 + 2.
+// aarch64: 16 accumulators, 4 + 2 operands; 16 on x86-64: 8, 2 + 2. As on AVX2 (below), the
+// register tile is as wide as the accumulators allow for the tokens it takes (x86-64's SSE2
+// code at T = 1: 8 x 1 instead of 2 x 1).
 struct PairDot {
   using Bf16 = Dot<bf16_t>;
   static constexpr int kLanes = 4;
 #if defined(__x86_64__)
-  static constexpr int kVectors = 2, kTokens = 4;
+  static constexpr int kVectors = 8, kTokens = 4, kAccumulators = 8;
 #else
-  static constexpr int kVectors = 4, kTokens = 4;
+  static constexpr int kVectors = 16, kTokens = 4, kAccumulators = 16;
 #endif
   using Acc = Bf16::Acc;
   using Pair = Bf16::Operand;
@@ -806,8 +808,11 @@ struct PairDot {
 // low half shifted up, the odd one the pair with the low half cleared.
 struct PairDot {
   static constexpr int kLanes = 8;
-  // 16 ymm registers: 2 x 4 accumulators, two widened weight vectors, one widened token pair.
-  static constexpr int kVectors = 2, kTokens = 4;
+  // 16 ymm registers: 8 accumulators, a widened weight vector, a widened token pair. Each
+  // accumulator takes a chain of two dependent FMAs per pair (8 cycles on Zen 3), so a tile
+  // needs all 8 to keep both FMA pipes busy: 8 vectors x 1 token, 4 x 2, 2 x 4. With the
+  // 2 x 1 tile that one token got before, T = 1 took 3x the nn.Linear layout's time there.
+  static constexpr int kVectors = 8, kTokens = 4, kAccumulators = 8;
   using Acc = __m256;
   struct Pair {
     __m256 even, odd;
@@ -829,8 +834,12 @@ struct PairDot {
   static Pair load_weight(const bf16_t* p, Lanes lanes) {
     return split(_mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes));
   }
+  // The pair's 32 bits in every lane, split like a weight vector: one load-and-replicate and
+  // two lane operations, where a scalar widening of each element took four.
   static Pair broadcast(const bf16_t* pair) {
-    return {_mm256_set1_ps(to_float(pair[0])), _mm256_set1_ps(to_float(pair[1]))};
+    int32_t bits;
+    std::memcpy(&bits, pair, sizeof(bits));
+    return split(_mm256_set1_epi32(bits));
   }
   static void madd(Acc& acc, const Pair& x, const Pair& w) {
     acc = _mm256_fmadd_ps(x.odd, w.odd, _mm256_fmadd_ps(x.even, w.even, acc));
@@ -860,7 +869,7 @@ struct PairDotAvx512 {
 // time (each register tile streams half of every pair row), and 1 x 16 (16 token row
 // pointers: more than the general registers) 6x.
 struct PairDot : PairDotAvx512 {
-  static constexpr int kVectors = 4, kTokens = 4;
+  static constexpr int kVectors = 4, kTokens = 4, kAccumulators = 16;
   using Pair = __m512bh;
   template <typename... Lanes>
   static Pair load_weight(const bf16_t* p, Lanes... lanes) {
@@ -880,7 +889,7 @@ struct PairDot : PairDotAvx512 {
 
 // Widened by shifting; a weight vector is two registers: 4 x 4 accumulators, 8 + 2 operands.
 struct PairDot : PairDotAvx512 {
-  static constexpr int kVectors = 4, kTokens = 4;
+  static constexpr int kVectors = 4, kTokens = 4, kAccumulators = 16;
   struct Pair {
     __m512 even, odd;
   };
@@ -904,6 +913,15 @@ struct PairDot : PairDotAvx512 {
 constexpr int64_t kTile = kRouterPackTile;
 static_assert(kTile % (PairDot::kLanes * PairDot::kVectors) == 0,
               "a tile of experts must split into whole register tiles");
+static_assert(PairDot::kAccumulators >= PairDot::kTokens, "a register tile of kTokens tokens");
+
+// Vectors of experts per register tile for blocks of `tokens` tokens (at most kTokens): as
+// many as the accumulators allow, a power of two up to kVectors.
+constexpr int64_t tile_vectors(int64_t tokens) {
+  int64_t v = PairDot::kVectors;
+  while (v > 1 && v * tokens > PairDot::kAccumulators) v /= 2;
+  return v;
+}
 // Past kTokens tokens, k is walked in passes of kChunkPairs pairs (the tile's 64 KiB of
 // weight for them stays in L2 while every token block uses it), the partial logits waiting
 // in the thread's scratch. Measured with a prototype of this kernel at H = 7168, E = 256,
@@ -1008,14 +1026,23 @@ void tile(const TileWork& a) {
 template <typename Out>
 using TileFn = void (*)(const TileWork&);
 
-// fn[v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of the tokens.
+// fn[v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of the tokens;
+// null past the accumulators (run never asks for those).
+template <typename Out, int V, int TB>
+constexpr TileFn<Out> tile_fn() {
+  if constexpr (V * TB <= PairDot::kAccumulators) {
+    return &tile<Out, V, TB>;
+  } else {
+    return nullptr;
+  }
+}
 template <typename Out>
 struct TileTable {
   TileFn<Out> fn[PairDot::kVectors][PairDot::kTokens];
   template <int... I>
   constexpr explicit TileTable(std::integer_sequence<int, I...>) : fn{} {
     ((fn[I / PairDot::kTokens][I % PairDot::kTokens] =
-          &tile<Out, I / PairDot::kTokens + 1, I % PairDot::kTokens + 1>),
+          tile_fn<Out, I / PairDot::kTokens + 1, I % PairDot::kTokens + 1>()),
      ...);
   }
 };
@@ -1034,6 +1061,7 @@ void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
   for (int64_t t0 = 0; t0 < p.num_tokens; t0 += kSweepTokens) {
     const int64_t tokens = std::min(kSweepTokens, p.num_tokens - t0);
     const bool one_pass = tokens <= D::kTokens;  // the accumulators never leave registers
+    const int64_t per_tile = tile_vectors(std::min<int64_t>(tokens, D::kTokens));
     const int64_t chunk = one_pass ? std::max<int64_t>(pairs, 1) : kChunkPairs;
     float* partial =
         one_pass ? nullptr : reinterpret_cast<float*>(thread_scratch(tokens * kTile));
@@ -1044,8 +1072,8 @@ void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
       const bf16_t* tile_weight = weight + e0 * pairs * 2;
       for (int64_t k = 0;; k += chunk) {
         const int64_t k_end = std::min(pairs, k + chunk);
-        for (int64_t v0 = 0; v0 < vectors; v0 += D::kVectors) {
-          const int64_t nv = std::min<int64_t>(D::kVectors, vectors - v0);
+        for (int64_t v0 = 0; v0 < vectors; v0 += per_tile) {
+          const int64_t nv = std::min(per_tile, vectors - v0);
           const int64_t e = e0 + v0 * D::kLanes;
           for (int64_t t = 0; t < tokens; t += D::kTokens) {
             const int64_t nt = std::min<int64_t>(D::kTokens, tokens - t);
