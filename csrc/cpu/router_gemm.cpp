@@ -771,10 +771,11 @@ struct PairDot {
   using Bf16 = Dot<bf16_t>;
   static constexpr int kLanes = 4;
 #if defined(__x86_64__)
-  static constexpr int kVectors = 8, kTokens = 4, kAccumulators = 8;
+  static constexpr int kVectors = 8, kTokens = 4, kAccumulators = 8, kRegisters = 16;
 #else
-  static constexpr int kVectors = 16, kTokens = 4, kAccumulators = 16;
+  static constexpr int kVectors = 16, kTokens = 4, kAccumulators = 16, kRegisters = 32;
 #endif
+  static constexpr int kPairRegisters = 2;
   using Acc = Bf16::Acc;
   using Pair = Bf16::Operand;
   static Acc zero() { return Bf16::zero(); }
@@ -813,6 +814,7 @@ struct PairDot {
   // needs all 8 to keep both FMA pipes busy: 8 vectors x 1 token, 4 x 2, 2 x 4. With the
   // 2 x 1 tile that one token got before, T = 1 took 3x the nn.Linear layout's time there.
   static constexpr int kVectors = 8, kTokens = 4, kAccumulators = 8;
+  static constexpr int kRegisters = 16, kPairRegisters = 2;
   using Acc = __m256;
   struct Pair {
     __m256 even, odd;
@@ -870,6 +872,7 @@ struct PairDotAvx512 {
 // pointers: more than the general registers) 6x.
 struct PairDot : PairDotAvx512 {
   static constexpr int kVectors = 4, kTokens = 4, kAccumulators = 16;
+  static constexpr int kRegisters = 32, kPairRegisters = 1;
   using Pair = __m512bh;
   template <typename... Lanes>
   static Pair load_weight(const bf16_t* p, Lanes... lanes) {
@@ -890,6 +893,7 @@ struct PairDot : PairDotAvx512 {
 // Widened by shifting; a weight vector is two registers: 4 x 4 accumulators, 8 + 2 operands.
 struct PairDot : PairDotAvx512 {
   static constexpr int kVectors = 4, kTokens = 4, kAccumulators = 16;
+  static constexpr int kRegisters = 32, kPairRegisters = 2;
   struct Pair {
     __m512 even, odd;
   };
@@ -956,7 +960,7 @@ inline void store_logits(const float* v, int n, bf16_t* out) {
 
 // Every loop over the tile's tokens and vectors is unrolled by pragma: left to GCC 12's
 // heuristics, acc stayed an array in memory, stored back after every pair (2x the time).
-template <typename Out, int V, int TB>
+template <typename Out, int V, int TB, bool kPartial>
 void tile(const TileWork& a) {
   using D = PairDot;
   typename D::Acc acc[TB][V];
@@ -971,20 +975,45 @@ void tile(const TileWork& a) {
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t) x[t] = a.x + t * a.x_row;
   const typename D::Lanes last_lanes = D::lanes_mask(a.lanes);
+  // Only a tile narrower than its vectors loads the last one under a mask: on AVX2 the mask
+  // takes a vector register, and with it GCC spilled 6 of the 4 x 2 tile's 8 accumulators.
+  const auto load_weight = [&](const bf16_t* p, bool last) {
+    if constexpr (kPartial) {
+      if (last) return D::load_weight(p, last_lanes);
+    }
+    return D::load_weight(p);
+  };
   constexpr int64_t step = 2 * D::kLanes;  // elements from one vector of experts to the next
   // Whole pairs, then an odd hidden_size's half pair (x[H - 1], 0), read without touching
   // x[H]: the same step, written twice so the accumulators never leave the registers.
   const int64_t full_end = std::min(a.k_end, a.hidden_size / 2);
+  // Each pair's V weight vectors are held across the tokens, or its TB token pairs across the
+  // vectors: the first, unless the accumulators and the weights would outgrow the registers
+  // and fewer token pairs would not. AVX2's 8 x 1 and 4 x 2 tiles hold the token pairs (8
+  // accumulators, the pairs and one weight vector: 12 and 14 registers of 16): on Zen 3 T = 1
+  // and 2 took 0.85x and 0.7x the time of holding the weights (E = 256 and 384, H = 7168).
+  constexpr bool kTokensFirst = TB < V && V * TB + (V + 1) * D::kPairRegisters > D::kRegisters;
   for (int64_t k = a.k_begin; k < full_end; ++k) {
-    typename D::Pair w[V];
+    if constexpr (kTokensFirst) {
+      typename D::Pair xp[TB];
 #pragma GCC unroll 16
-    for (int v = 0; v + 1 < V; ++v) w[v] = D::load_weight(a.weight + k * a.weight_row + v * step);
-    w[V - 1] = D::load_weight(a.weight + k * a.weight_row + (V - 1) * step, last_lanes);
+      for (int t = 0; t < TB; ++t) xp[t] = D::broadcast(x[t] + 2 * k);
 #pragma GCC unroll 16
-    for (int t = 0; t < TB; ++t) {
-      const typename D::Pair xp = D::broadcast(x[t] + 2 * k);
+      for (int v = 0; v < V; ++v) {
+        const typename D::Pair w = load_weight(a.weight + k * a.weight_row + v * step, v + 1 == V);
 #pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) D::madd(acc[t][v], xp, w[v]);
+        for (int t = 0; t < TB; ++t) D::madd(acc[t][v], xp[t], w);
+      }
+    } else {
+      typename D::Pair w[V];
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) w[v] = load_weight(a.weight + k * a.weight_row + v * step, v + 1 == V);
+#pragma GCC unroll 16
+      for (int t = 0; t < TB; ++t) {
+        const typename D::Pair xp = D::broadcast(x[t] + 2 * k);
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) D::madd(acc[t][v], xp, w[v]);
+      }
     }
   }
   if (full_end < a.k_end) {
@@ -1011,44 +1040,48 @@ void tile(const TileWork& a) {
     }
     return;
   }
+  // Every accumulator stored before the first copy out: one that lived across a copy's
+  // library call was kept in memory all along (GCC 12 spilled 6 of AVX2's 8 in the pair loop).
+  float logits[TB][V * D::kLanes];
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t) {
-    Out* out = static_cast<Out*>(a.out) + t * a.out_row;
 #pragma GCC unroll 16
-    for (int v = 0; v < V; ++v) {
-      float lanes[D::kLanes];
-      D::store_acc(acc[t][v], lanes);
-      store_logits(lanes, v + 1 < V ? D::kLanes : a.lanes, out + v * D::kLanes);
-    }
+    for (int v = 0; v < V; ++v) D::store_acc(acc[t][v], logits[t] + v * D::kLanes);
+  }
+  const int width = (V - 1) * D::kLanes + a.lanes;
+  for (int t = 0; t < TB; ++t) {
+    store_logits(logits[t], width, static_cast<Out*>(a.out) + t * a.out_row);
   }
 }
 
 template <typename Out>
 using TileFn = void (*)(const TileWork&);
 
-// fn[v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of the tokens;
-// null past the accumulators (run never asks for those).
-template <typename Out, int V, int TB>
+// fn[partial][v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of
+// the tokens, the last vector partial or not; null past the accumulators (never asked for).
+template <typename Out, int I>
 constexpr TileFn<Out> tile_fn() {
+  constexpr int kShapes = PairDot::kVectors * PairDot::kTokens;
+  constexpr int V = I % kShapes / PairDot::kTokens + 1, TB = I % PairDot::kTokens + 1;
   if constexpr (V * TB <= PairDot::kAccumulators) {
-    return &tile<Out, V, TB>;
+    return &tile<Out, V, TB, (I >= kShapes)>;
   } else {
     return nullptr;
   }
 }
 template <typename Out>
 struct TileTable {
-  TileFn<Out> fn[PairDot::kVectors][PairDot::kTokens];
+  TileFn<Out> fn[2][PairDot::kVectors][PairDot::kTokens];
   template <int... I>
   constexpr explicit TileTable(std::integer_sequence<int, I...>) : fn{} {
-    ((fn[I / PairDot::kTokens][I % PairDot::kTokens] =
-          tile_fn<Out, I / PairDot::kTokens + 1, I % PairDot::kTokens + 1>()),
+    ((fn[I / (PairDot::kVectors * PairDot::kTokens)][I / PairDot::kTokens % PairDot::kVectors]
+        [I % PairDot::kTokens] = tile_fn<Out, I>()),
      ...);
   }
 };
 template <typename Out>
 inline constexpr TileTable<Out> kTiles{
-    std::make_integer_sequence<int, PairDot::kVectors * PairDot::kTokens>{}};
+    std::make_integer_sequence<int, 2 * PairDot::kVectors * PairDot::kTokens>{}};
 
 // expert_begin is a multiple of kTile (the callers split there). Tiles outermost within a
 // sweep of tokens, so each tile's weight comes from memory once per sweep.
@@ -1085,7 +1118,7 @@ void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
                 one_pass ? nullptr : partial + t * kTile + v0 * D::kLanes, k == 0, k_end == pairs,
                 static_cast<Out*>(p.logits) + (t0 + t) * p.logits_row_stride + e,
                 p.logits_row_stride};
-            kTiles<Out>.fn[nv - 1][nt - 1](work);
+            kTiles<Out>.fn[work.lanes < D::kLanes][nv - 1][nt - 1](work);
           }
         }
         if (k_end == pairs) break;
