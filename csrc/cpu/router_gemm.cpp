@@ -960,7 +960,7 @@ inline void store_logits(const float* v, int n, bf16_t* out) {
 
 // Every loop over the tile's tokens and vectors is unrolled by pragma: left to GCC 12's
 // heuristics, acc stayed an array in memory, stored back after every pair (2x the time).
-template <typename Out, int V, int TB, bool kPartial>
+template <typename Out, int V, int TB>
 void tile(const TileWork& a) {
   using D = PairDot;
   typename D::Acc acc[TB][V];
@@ -975,13 +975,8 @@ void tile(const TileWork& a) {
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t) x[t] = a.x + t * a.x_row;
   const typename D::Lanes last_lanes = D::lanes_mask(a.lanes);
-  // Only a tile narrower than its vectors loads the last one under a mask: on AVX2 the mask
-  // takes a vector register, and with it GCC spilled 6 of the 4 x 2 tile's 8 accumulators.
   const auto load_weight = [&](const bf16_t* p, bool last) {
-    if constexpr (kPartial) {
-      if (last) return D::load_weight(p, last_lanes);
-    }
-    return D::load_weight(p);
+    return last ? D::load_weight(p, last_lanes) : D::load_weight(p);
   };
   constexpr int64_t step = 2 * D::kLanes;  // elements from one vector of experts to the next
   // Whole pairs, then an odd hidden_size's half pair (x[H - 1], 0), read without touching
@@ -1007,7 +1002,9 @@ void tile(const TileWork& a) {
     } else {
       typename D::Pair w[V];
 #pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) w[v] = load_weight(a.weight + k * a.weight_row + v * step, v + 1 == V);
+      for (int v = 0; v < V; ++v) {
+        w[v] = load_weight(a.weight + k * a.weight_row + v * step, v + 1 == V);
+      }
 #pragma GCC unroll 16
       for (int t = 0; t < TB; ++t) {
         const typename D::Pair xp = D::broadcast(x[t] + 2 * k);
@@ -1057,31 +1054,29 @@ void tile(const TileWork& a) {
 template <typename Out>
 using TileFn = void (*)(const TileWork&);
 
-// fn[partial][v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of
-// the tokens, the last vector partial or not; null past the accumulators (never asked for).
-template <typename Out, int I>
+// fn[v - 1][t - 1]: v vectors of experts x t tokens, for the edges of a tile and of the tokens;
+// null past the accumulators (run never asks for those).
+template <typename Out, int V, int TB>
 constexpr TileFn<Out> tile_fn() {
-  constexpr int kShapes = PairDot::kVectors * PairDot::kTokens;
-  constexpr int V = I % kShapes / PairDot::kTokens + 1, TB = I % PairDot::kTokens + 1;
   if constexpr (V * TB <= PairDot::kAccumulators) {
-    return &tile<Out, V, TB, (I >= kShapes)>;
+    return &tile<Out, V, TB>;
   } else {
     return nullptr;
   }
 }
 template <typename Out>
 struct TileTable {
-  TileFn<Out> fn[2][PairDot::kVectors][PairDot::kTokens];
+  TileFn<Out> fn[PairDot::kVectors][PairDot::kTokens];
   template <int... I>
   constexpr explicit TileTable(std::integer_sequence<int, I...>) : fn{} {
-    ((fn[I / (PairDot::kVectors * PairDot::kTokens)][I / PairDot::kTokens % PairDot::kVectors]
-        [I % PairDot::kTokens] = tile_fn<Out, I>()),
+    ((fn[I / PairDot::kTokens][I % PairDot::kTokens] =
+          tile_fn<Out, I / PairDot::kTokens + 1, I % PairDot::kTokens + 1>()),
      ...);
   }
 };
 template <typename Out>
 inline constexpr TileTable<Out> kTiles{
-    std::make_integer_sequence<int, 2 * PairDot::kVectors * PairDot::kTokens>{}};
+    std::make_integer_sequence<int, PairDot::kVectors * PairDot::kTokens>{}};
 
 // expert_begin is a multiple of kTile (the callers split there). Tiles outermost within a
 // sweep of tokens, so each tile's weight comes from memory once per sweep.
@@ -1118,7 +1113,7 @@ void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
                 one_pass ? nullptr : partial + t * kTile + v0 * D::kLanes, k == 0, k_end == pairs,
                 static_cast<Out*>(p.logits) + (t0 + t) * p.logits_row_stride + e,
                 p.logits_row_stride};
-            kTiles<Out>.fn[work.lanes < D::kLanes][nv - 1][nt - 1](work);
+            kTiles<Out>.fn[nv - 1][nt - 1](work);
           }
         }
         if (k_end == pairs) break;
