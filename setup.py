@@ -9,7 +9,7 @@ Environment:
                       nvcc is found) or ROCm.
   MOEEXT_CUDA_ARCHS   CUDA architectures, CMake syntax (default "80;90a;100a")
   MOEEXT_HIP_ARCHS    AMD architectures (default "gfx90a;gfx942")
-  MOEEXT_CPU_ISAS     x86-64 CPU paths built besides scalar (default "avx2;avx512;avx512bf16";
+  MOEEXT_CPU_ISAS     x86-64 CPU paths built besides the portable one (default "avx2;avx512;avx512bf16";
                       "" builds the portable path only, for a quicker build that runs no CPU
                       kernel, such as the GPU checks)
 """

@@ -23,7 +23,7 @@ fi
 # The flags CMakeLists.txt gives the kernels and the dispatch code; no x86 path is compiled
 # in, so the dump runs the portable copy on both machines.
 COMMON=(-std=c++17 -Icsrc/include -Icsrc -Wall -Wextra -Werror)
-KERNEL=(-O3 -fno-math-errno -DMOEEXT_CPU_ISA=scalar)
+KERNEL=(-O3 -fno-math-errno -DMOEEXT_CPU_ISA=portable)
 HOST_TESTS="test_vec_exp test_portable_fp16 test_score_pieces"
 build() {  # compiler, output directory
   local cxx=$1 dir=$2

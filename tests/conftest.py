@@ -12,7 +12,7 @@ Fixtures:
                   not multiplied by the number of CPU paths.
   ``cpu_isa``     one run per CPU path, cpu only: for tests about the CPU paths themselves.
 
-Test ids name what runs the kernel: ``avx512``, ``scalar``, ... for the cpu paths, ``cpu`` for
+Test ids name what runs the kernel: ``avx512``, ``portable``, ... for the cpu paths, ``cpu`` for
 cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs.
 
 Property-based tests run 300 examples each (hypothesis profile ``moeext``). The ``fuzz``

@@ -22,24 +22,25 @@ def test_build_info():
     assert info["torch_version"] == torch.__version__.split("+")[0]
     assert re.fullmatch(r"\S+ \d+(\.\d+)*", info["compiler"]), info["compiler"]  # "GNU 12.2.0"
     assert "cpu" in info["backends"]
-    assert "scalar" in info["cpu_isas_compiled"]
+    assert "portable" in info["cpu_isas_compiled"]
     assert info["cpu_isa_best"] in info["cpu_isas_compiled"]
-    assert "scalar" in info["cpu_isas_available"]
+    assert "portable" in info["cpu_isas_available"]
     assert set(info["cpu_isas_available"]) <= set(info["cpu_isas_compiled"])
     assert info["cpu_isa_best"] == info["cpu_isas_available"][-1]  # best last
 
 
 def test_set_cpu_isa_round_trip():
     best = moeext.build_info()["cpu_isa_best"]
-    moeext.set_cpu_isa("scalar")
-    try:
-        assert moeext.cpu_isa() == "scalar"
-        assert moeext.build_info()["cpu_isa_active"] == "scalar"
-    finally:
-        moeext.set_cpu_isa("auto")
-    assert moeext.cpu_isa() == best
+    for name in ("portable", "scalar"):  # "scalar": its name before 2026-11-28
+        moeext.set_cpu_isa(name)
+        try:
+            assert moeext.cpu_isa() == "portable"
+            assert moeext.build_info()["cpu_isa_active"] == "portable"
+        finally:
+            moeext.set_cpu_isa("auto")
+        assert moeext.cpu_isa() == best
     with pytest.raises(ValueError,
-                       match="isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'avx512bf16'"):
+                       match="isa must be 'auto', 'portable', 'avx2', 'avx512' or 'avx512bf16'"):
         moeext.set_cpu_isa("sse9")
 
 
@@ -120,10 +121,11 @@ def test_an_error_is_raised_not_a_crash():
 
 
 @pytest.mark.parametrize("forced",
-                         moeext.build_info()["cpu_isas_available"] + ["auto", "", "scaler"])
+                         moeext.build_info()["cpu_isas_available"] + ["auto", "", "scaler", "scalar"])
 def test_the_environment_forces_a_path_or_warns(forced):
-    """MOEEXT_CPU_ISA picks any path this CPU runs; auto and empty leave the best one
-    silently, and a name of no path here leaves it with a warning."""
+    """MOEEXT_CPU_ISA picks any path this CPU runs (the portable one by its old name "scalar"
+    too); auto and empty leave the best one silently, and a name of no path here leaves it
+    with a warning."""
     out = subprocess.run(
         [sys.executable, "-W", "always", "-c", "import moeext; print(moeext.cpu_isa())"],
         env={**os.environ, "MOEEXT_CPU_ISA": forced},
@@ -132,8 +134,9 @@ def test_the_environment_forces_a_path_or_warns(forced):
     info = moeext.build_info()
     warning = f"MOEEXT_CPU_ISA={forced!r} is not a CPU path"
     assert (warning in out.stderr) == (forced == "scaler"), out.stderr
-    assert out.stdout.strip() == (forced if forced in info["cpu_isas_available"]
-                                  else info["cpu_isa_best"])
+    expected = ("portable" if forced == "scalar" else forced if forced in info["cpu_isas_available"]
+                else info["cpu_isa_best"])
+    assert out.stdout.strip() == expected
 
 
 def test_the_demo_fails_on_a_wrong_result(monkeypatch, capsys):

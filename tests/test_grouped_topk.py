@@ -1106,7 +1106,7 @@ def test_property_matches_reference(device, problem, isa):
     (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_dtype,
      scoring_func, renormalize, scale, seed, special, transpose) = problem
     if isa not in moeext.build_info()["cpu_isas_available"]:
-        isa = "scalar"
+        isa = "portable"
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, num_experts, generator=g) * 3
     if special == "nan":
@@ -1165,7 +1165,7 @@ def test_property_near_ties_are_valid_choices(device, problem, isa):
     (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_kind,
      scoring_func, spread, centre, seed) = problem
     if isa not in moeext.build_info()["cpu_isas_available"]:
-        isa = "scalar"
+        isa = "portable"
     g = torch.Generator().manual_seed(seed)
     logits = centre - 3.0 + torch.rand(num_tokens, num_experts, generator=g)
     for row in logits:

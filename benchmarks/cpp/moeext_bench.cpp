@@ -8,7 +8,7 @@
 // its own (routing and GEMM in double, the shuffles and the zeroing from SPEC.md's formulas);
 // a case that fails is reported on stderr and not timed, and the binary exits 1.
 //
-//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa scalar|avx2|avx512|avx512bf16]
+//   moeext_bench [--quick] [--csv] [--filter REGEX] [--isa portable|avx2|avx512|avx512bf16]
 //                [--threads N]
 #include <omp.h>
 
@@ -661,7 +661,7 @@ void add_zero_tail(std::vector<Case>& cases, const Options& opt) {
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--quick] [--csv] [--filter REGEX] "
-               "[--isa scalar|avx2|avx512|avx512bf16|auto] [--threads N]\n",
+               "[--isa portable|avx2|avx512|avx512bf16|auto] [--threads N]\n",
                argv0);
   return 2;
 }
@@ -680,14 +680,14 @@ int main(int argc, char** argv) {
       opt.filter = std::regex(argv[++i]);
     } else if (arg == "--isa" && i + 1 < argc) {
       const std::string isa = argv[++i];
-      const auto want = isa == "scalar"       ? moeext::CpuIsa::kScalar
+      const auto want = isa == "portable" || isa == "scalar" ? moeext::CpuIsa::kPortable
                         : isa == "avx2"       ? moeext::CpuIsa::kAvx2
                         : isa == "avx512"     ? moeext::CpuIsa::kAvx512
                         : isa == "avx512bf16" ? moeext::CpuIsa::kAvx512Bf16
                         : isa == "auto"       ? moeext::CpuIsa::kAuto
                                               : std::optional<moeext::CpuIsa>();
       if (!want) {
-        std::fprintf(stderr, "--isa %s: not a path (scalar, avx2, avx512, avx512bf16, auto)\n",
+        std::fprintf(stderr, "--isa %s: not a path (portable, avx2, avx512, avx512bf16, auto)\n",
                      isa.c_str());
         return 2;
       }

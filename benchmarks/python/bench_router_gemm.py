@@ -20,9 +20,9 @@ may be shared: every function is timed in several rounds, interleaved with the o
 the best round's median is kept, so a burst of foreign load hits one round, not a column.
 
     python benchmarks/python/bench_router_gemm.py [--quick] [--experts 256,384]
-        [--tokens 1,4,16,64,256] [--isa scalar|avx2|avx512|avx512bf16] [--markdown]
+        [--tokens 1,4,16,64,256] [--isa portable|avx2|avx512|avx512bf16] [--markdown]
 
---isa forces moeext's CPU path (the portable one is "scalar"); the default is the best one
+--isa forces moeext's CPU path ("portable" is the compiler's generic vectors); the default is the best one
 this CPU runs.
 """
 

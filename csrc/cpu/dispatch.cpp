@@ -63,7 +63,7 @@ bool cpu_has_avx512bf16() {
 bool isa_available(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAuto:
-    case CpuIsa::kScalar:
+    case CpuIsa::kPortable:
       return true;
     case CpuIsa::kAvx2:
       return cpu_has_avx2();
@@ -78,7 +78,10 @@ bool isa_available(CpuIsa isa) {
 CpuIsa isa_from_environment() {
   const char* forced = std::getenv("MOEEXT_CPU_ISA");
   if (forced != nullptr) {
-    if (std::strcmp(forced, "scalar") == 0) return CpuIsa::kScalar;
+    // "scalar" is the portable path's name before 2026-11-28, still accepted.
+    if (std::strcmp(forced, "portable") == 0 || std::strcmp(forced, "scalar") == 0) {
+      return CpuIsa::kPortable;
+    }
     if (std::strcmp(forced, "avx2") == 0 && cpu_has_avx2()) return CpuIsa::kAvx2;
     if (std::strcmp(forced, "avx512") == 0 && cpu_has_avx512()) return CpuIsa::kAvx512;
     if (std::strcmp(forced, "avx512bf16") == 0 && cpu_has_avx512bf16()) {
@@ -99,7 +102,7 @@ CpuIsa cpu_isa_best() {
   static const CpuIsa best = cpu_has_avx512bf16() ? CpuIsa::kAvx512Bf16
                              : cpu_has_avx512()   ? CpuIsa::kAvx512
                              : cpu_has_avx2()     ? CpuIsa::kAvx2
-                                                  : CpuIsa::kScalar;
+                                                  : CpuIsa::kPortable;
   return best;
 }
 
@@ -117,8 +120,8 @@ const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAuto:
       return "auto";
-    case CpuIsa::kScalar:
-      return "scalar";
+    case CpuIsa::kPortable:
+      return "portable";
     case CpuIsa::kAvx2:
       return "avx2";
     case CpuIsa::kAvx512:
@@ -202,8 +205,8 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
       return;
 #endif
     case CpuIsa::kAuto:
-    case CpuIsa::kScalar:
-      cpu::scalar::biased_grouped_topk(p, row_begin, row_end, ws);
+    case CpuIsa::kPortable:
+      cpu::portable::biased_grouped_topk(p, row_begin, row_end, ws);
       return;
   }
 }
@@ -227,8 +230,8 @@ void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t ex
       return;
 #endif
     case CpuIsa::kAuto:
-    case CpuIsa::kScalar:
-      cpu::scalar::router_gemm(p, expert_begin, expert_end);
+    case CpuIsa::kPortable:
+      cpu::portable::router_gemm(p, expert_begin, expert_end);
       return;
   }
 }
@@ -249,8 +252,8 @@ int64_t router_gemm_expert_block(const RouterGemmParams& params) {
       return cpu::avx2::router_gemm_expert_block();
 #endif
     case CpuIsa::kAuto:
-    case CpuIsa::kScalar:
-      return cpu::scalar::router_gemm_expert_block();
+    case CpuIsa::kPortable:
+      return cpu::portable::router_gemm_expert_block();
   }
   return 1;
 }

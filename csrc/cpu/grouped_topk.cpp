@@ -67,7 +67,7 @@ inline void topk_insert(uint64_t* keys, int64_t& count, int64_t k, uint64_t key)
 // Forced inline on the portable path, where GCC called both out of line, a call per vector
 // with the live vectors spilled around it (aarch64 and x86-64 alike). The x86 paths inline
 // them unasked; forcing it there would only move their register allocation.
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
 #define MOEEXT_PORTABLE_INLINE MOEEXT_ALWAYS_INLINE
 #else
 #define MOEEXT_PORTABLE_INLINE inline

@@ -55,7 +55,7 @@ struct GroupedTopkWorkspace {
   void biased_grouped_topk(const BiasedGroupedTopkParams& p, int64_t row_begin,           \
                            int64_t row_end, const GroupedTopkWorkspace& ws);              \
   }
-MOEEXT_DECLARE_GROUPED_TOPK(scalar)
+MOEEXT_DECLARE_GROUPED_TOPK(portable)
 MOEEXT_DECLARE_GROUPED_TOPK(avx2)
 MOEEXT_DECLARE_GROUPED_TOPK(avx512)
 #undef MOEEXT_DECLARE_GROUPED_TOPK

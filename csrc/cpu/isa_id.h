@@ -4,10 +4,10 @@
 #pragma once
 
 #ifndef MOEEXT_CPU_ISA
-#error "MOEEXT_CPU_ISA must name the instruction set (scalar, avx2, avx512 or avx512bf16)"
+#error "MOEEXT_CPU_ISA must name the instruction set (portable, avx2, avx512 or avx512bf16)"
 #endif
 
-#define MOEEXT_ISA_scalar 0
+#define MOEEXT_ISA_portable 0
 #define MOEEXT_ISA_avx512 1
 #define MOEEXT_ISA_avx512bf16 2
 #define MOEEXT_ISA_avx2 3

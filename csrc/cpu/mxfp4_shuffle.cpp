@@ -211,7 +211,7 @@ inline void permute_strided_tiles(const uint8_t* top, const uint8_t* bottom, int
 #if defined(__SSE2__)
   BlockPrefetch prefetch(next, tiles);
 #if MOEEXT_E8M0_AVX2
-  if (cpu_isa_active() != CpuIsa::kScalar) {
+  if (cpu_isa_active() != CpuIsa::kPortable) {
     d = permute_strided_tiles_avx2(top, bottom, row_stride, tiles, out, prefetch, stream);
     out += d * 256;
   }

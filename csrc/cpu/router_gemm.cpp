@@ -18,7 +18,7 @@
 //               by 16, the odd ones the lanes with the low half cleared; both operands split
 //               the same way, so two FMAs cover 32 elements with no permutation.
 //   avx2        the same at 16 elements per step, in 16 ymm registers (smaller tiles).
-//   scalar      the portable path (aarch64, x86-64 without AVX2): four fp32 lanes in the
+//   portable    the portable path (aarch64, x86-64 without AVX2): four fp32 lanes in the
 //               compiler's generic vectors (cpu/vec_portable.h), bf16 split by shifting
 //               as above, 8 elements per step.
 // fp16 and fp32 inputs widen to fp32 (vcvtph2ps; fp16_to_f4 on the portable path) and use
@@ -44,7 +44,7 @@
 #include "cpu/router_gemm_isa.h"
 #include "cpu/types.h"
 
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
 #include "cpu/vec_portable.h"
 #else
 #include <immintrin.h>
@@ -62,7 +62,7 @@ inline const T* zero_padded(const T* p, int64_t n, T (&buffer)[N]) {
   return buffer;
 }
 
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
 
 using portable_detail::F4;
 using portable_detail::U4;
@@ -302,7 +302,7 @@ struct TileShape {
   static constexpr int kOperandRegisters =
       sizeof(typename Dot<In>::Operand) / sizeof(typename Dot<In>::Acc);
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2 || \
-    (MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar && defined(__x86_64__))
+    (MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable && defined(__x86_64__))
   // 16 ymm (or, on the portable path, xmm) registers: 4 x 2 (3 x 2 with two-register bf16
   // operands). The portable path has 32 on aarch64.
   static constexpr int kRegisters = 16;
@@ -330,7 +330,7 @@ inline void store_logit(float v, bf16_t* out) { out->bits = float_to_bf16_bits(v
 // GCC 12, the aarch64 build kept its accumulators in memory, loaded and stored around every
 // token's dot products. The x86 copies keep the code their tuning measured (the pragma
 // would change it: GCC leaves some of those loops rolled there).
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
 #define MOEEXT_TILE_UNROLL _Pragma("GCC unroll 16")
 #else
 #define MOEEXT_TILE_UNROLL
@@ -761,7 +761,7 @@ void run_tiles(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_e
 // tiles) but cost 17% at T = 16 from the LLC (25% with a line per vector), so there is none.
 namespace packed {
 
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
 
 // Four experts a vector, widened and multiplied as Dot<bf16_t> does. 32 vector registers on
 // aarch64: 16 accumulators, 4 + 2 operands; 16 on x86-64: 8, 2 + 2. As on AVX2 (below), the

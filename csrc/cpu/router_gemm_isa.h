@@ -12,7 +12,7 @@ namespace moeext::cpu {
   void router_gemm(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end);    \
   int router_gemm_expert_block();                                                           \
   }
-MOEEXT_DECLARE_ROUTER_GEMM(scalar)
+MOEEXT_DECLARE_ROUTER_GEMM(portable)
 MOEEXT_DECLARE_ROUTER_GEMM(avx2)
 MOEEXT_DECLARE_ROUTER_GEMM(avx512)
 MOEEXT_DECLARE_ROUTER_GEMM(avx512bf16)

@@ -10,7 +10,7 @@
 #include "cpu/vec_avx512.h"
 #elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
 #include "cpu/vec_avx2.h"
-#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_scalar
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
 #include "cpu/vec_portable.h"
 #else
 #error "no vector layer for this MOEEXT_CPU_ISA"

@@ -1,6 +1,6 @@
 // 8 x fp32 lanes over the compiler's generic vector types, for the CPUs with neither AVX2 nor
 // AVX-512: aarch64 (where the baseline has NEON and FMA) and old x86-64 (SSE2). The copy of a
-// kernel compiled with the baseline flags only (MOEEXT_CPU_ISA scalar) uses it.
+// kernel compiled with the baseline flags only (MOEEXT_CPU_ISA portable) uses it.
 //
 // Eight lanes, the width of vec_avx2.h, because every width-dependent choice of the kernels
 // (registers per softmax row, the floor's vectors, the groups' merge tree) is tuned and

@@ -16,17 +16,18 @@ namespace {
 
 moeext::CpuIsa parse_isa(const std::string& name) {
   if (name == "auto") return moeext::CpuIsa::kAuto;
-  if (name == "scalar") return moeext::CpuIsa::kScalar;
+  // "scalar": the portable path's name before 2026-11-28.
+  if (name == "portable" || name == "scalar") return moeext::CpuIsa::kPortable;
   if (name == "avx2") return moeext::CpuIsa::kAvx2;
   if (name == "avx512") return moeext::CpuIsa::kAvx512;
   if (name == "avx512bf16") return moeext::CpuIsa::kAvx512Bf16;
   throw py::value_error(
-      "set_cpu_isa: isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'avx512bf16', got '" + name +
+      "set_cpu_isa: isa must be 'auto', 'portable', 'avx2', 'avx512' or 'avx512bf16', got '" + name +
       "'");
 }
 
 std::vector<std::string> compiled_isas() {
-  std::vector<std::string> isas{"scalar"};  // best last
+  std::vector<std::string> isas{"portable"};  // best last
 #if defined(MOEEXT_HAVE_AVX2)
   isas.emplace_back("avx2");
 #endif
@@ -84,7 +85,7 @@ PYBIND11_MODULE(_C, m) {
         }
       },
       py::arg("isa"),
-      "Forces the CPU kernels onto one instruction-set path ('scalar', 'avx2', 'avx512', 'avx512bf16') "
+      "Forces the CPU kernels onto one instruction-set path ('portable', 'avx2', 'avx512', 'avx512bf16') "
       "or back to the best available ('auto').");
   for (PyMethodDef* def = moeext::torch_glue::python_call_methods(); def->ml_name != nullptr;
        ++def) {

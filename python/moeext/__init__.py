@@ -38,6 +38,9 @@ def _warn_if_the_forced_cpu_isa_is_ignored() -> None:
     # it does not know or a path this build or CPU lacks; a typo should not pass unnoticed.
     # Empty counts as unset (as `MOEEXT_CPU_ISA= python ...` means), not as a typo.
     forced = os.environ.get("MOEEXT_CPU_ISA")
+    # "scalar" is the portable path's name before 2026-11-28.
+    if forced == "scalar":
+        forced = "portable"
     if not forced or forced == "auto" or forced == cpu_isa():
         return
     available = build_info()["cpu_isas_available"]

@@ -431,20 +431,22 @@ def build_info() -> dict:
 
 def cpu_isa() -> str:
     """The instruction-set path the CPU kernels use now (``"avx512bf16"``, ``"avx512"``,
-    ``"avx2"`` or ``"scalar"``)."""
+    ``"avx2"`` or ``"portable"``, the compiler's generic vectors)."""
     return _C.cpu_isa()
 
 
 def set_cpu_isa(isa: str) -> None:
-    """Forces the CPU kernels onto ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
+    """Forces the CPU kernels onto ``"portable"``, ``"avx2"``, ``"avx512"`` or ``"avx512bf16"``;
     ``"auto"`` picks the best. (Only biased_grouped_topk and router_gemm have a copy per path;
     ``"avx512bf16"`` changes router_gemm alone and runs biased_grouped_topk's ``"avx512"``
-    code. e8m0_shuffle has two paths: SSE2 on ``"scalar"``, AVX2 on every other.
+    code. e8m0_shuffle has two paths: SSE2 on ``"portable"``, AVX2 on every other.
     zero_tail_ and shuffle_weight have one, the same on every path.)
 
-    The environment variable ``MOEEXT_CPU_ISA`` (the same names) picks the path when moeext
-    is imported (unset or empty: the best); a name this build or this CPU lacks leaves the
-    best path in place, with a warning. ``set_cpu_isa`` raises ValueError for it instead.
+    ``"scalar"``, the portable path's name before 2026-11-28, is accepted for
+    ``"portable"``. The environment variable ``MOEEXT_CPU_ISA`` (the same names) picks the
+    path when moeext is imported (unset or empty: the best); a name this build or this CPU
+    lacks leaves the best path in place, with a warning. ``set_cpu_isa`` raises ValueError
+    for it instead.
 
     Switch between calls: each chunk of a call's work reads the path when it starts, so a
     call that runs while another thread switches may mix the two paths' results (each chunk

@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
-#define MOEEXT_CPU_ISA scalar
+#define MOEEXT_CPU_ISA portable
 #include "cpu/types.h"
 #include "cpu/vec_portable.h"
 #include "check.h"
@@ -16,7 +16,7 @@
 using moeext::cpu::float_to_bits;
 using moeext::cpu::fp16_t;
 using moeext::cpu::to_float;
-using moeext::cpu::scalar::Vec;
+using moeext::cpu::portable::Vec;
 
 int main() {
   for (uint32_t first = 0; first < 0x10000u; first += Vec::kWidth) {

@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <limits>
 
-#define MOEEXT_CPU_ISA scalar
+#define MOEEXT_CPU_ISA portable
 #include "cpu/score_pieces.h"
 #include "cpu/vec_portable.h"
 #include "check.h"
@@ -20,7 +20,7 @@ using moeext::cpu::build_sqrt_softplus_pieces;
 using moeext::cpu::exact_sqrt_softplus;
 using moeext::cpu::kScoreApproxError;
 using moeext::cpu::ScorePieces;
-using moeext::cpu::scalar::Vec;
+using moeext::cpu::portable::Vec;
 
 namespace {
 

@@ -16,7 +16,7 @@
 #include <initializer_list>
 #include <limits>
 
-#define MOEEXT_CPU_ISA scalar
+#define MOEEXT_CPU_ISA portable
 #include "cpu/types.h"
 #include "cpu/vec_portable.h"
 #include "cpu/vec_math.h"
@@ -24,11 +24,11 @@
 
 using moeext::cpu::bits_to_float;
 using moeext::cpu::float_to_bits;
-using moeext::cpu::scalar::Vec;
-using moeext::cpu::scalar::vexp;
-using moeext::cpu::scalar::vexp_clamped;
-using moeext::cpu::scalar::vexp_neg;
-using moeext::cpu::scalar::vexp_nonpositive;
+using moeext::cpu::portable::Vec;
+using moeext::cpu::portable::vexp;
+using moeext::cpu::portable::vexp_clamped;
+using moeext::cpu::portable::vexp_neg;
+using moeext::cpu::portable::vexp_nonpositive;
 
 namespace {
 

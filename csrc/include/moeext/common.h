@@ -30,7 +30,7 @@ enum class DType : int8_t {
 // Instruction-set paths of the CPU kernels, best last. kAuto means "the best this CPU runs".
 enum class CpuIsa : int8_t {
   kAuto = -1,
-  kScalar = 0,
+  kPortable = 0,  // generic vectors of the compiler: aarch64, x86-64 without AVX2
   kAvx2 = 1,        // AVX2 + FMA + F16C: routing, router_gemm and e8m0_shuffle
   kAvx512 = 2,
   kAvx512Bf16 = 3,  // AVX-512 plus vdpbf16ps (Zen 4/5, Cooper Lake, Sapphire Rapids)
@@ -39,7 +39,7 @@ enum class CpuIsa : int8_t {
 // The best path this binary has and this CPU (and OS) supports.
 CpuIsa cpu_isa_best();
 // The path the CPU kernels use now: the best one unless forced, by set_cpu_isa() or by the
-// environment variable MOEEXT_CPU_ISA=scalar|avx2|avx512|avx512bf16 read once at start.
+// environment variable MOEEXT_CPU_ISA=portable|avx2|avx512|avx512bf16 read once at start.
 CpuIsa cpu_isa_active();
 // Forces a path (kAuto restores the best one). Returns false, changing nothing, when the
 // binary or the CPU lacks it. Each launcher call reads the path when it starts, so the
