@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU kernels, checked on a machine without a GPU (called by .ci/run):
-#   1. every csrc/cuda/*.cu compiles as HIP device code for gfx90a and gfx942 (clang-19, the
+#   1. every csrc/gpu/*.cu compiles as HIP device code for gfx90a and gfx942 (clang-19, the
 #      HIP headers that ship in the triton wheel, a dummy ROCm directory), warnings as errors,
 #      and no kernel spills to scratch (AMD's local memory; .ci/check_hip_scratch.py);
 #   2. the extension builds and links with MOEEXT_FORCE_CUDA=1 for the default architectures
@@ -34,7 +34,7 @@ with zipfile.ZipFile(wheel) as z:
 PY
 fi
 mkdir -p "$TOOLS/hip"
-for src in csrc/cuda/*.cu; do
+for src in csrc/gpu/*.cu; do
   for arch in gfx90a gfx942; do
     out="$TOOLS/hip/$(basename "$src" .cu).$arch.s"
     # --hip-version: the dummy ROCm has no version file, and clang then skips its HIP

@@ -75,7 +75,7 @@ def test_registered_backends_match_build_info():
 def test_every_gpu_source_is_built():
     cmake = (ROOT / "CMakeLists.txt").read_text()
     for source in sorted((ROOT / "csrc" / "cuda").glob("*.cu")):
-        assert f"csrc/cuda/{source.name}" in cmake, f"{source.name} is not in MOEEXT_GPU_KERNELS"
+        assert f"csrc/gpu/{source.name}" in cmake, f"{source.name} is not in MOEEXT_GPU_KERNELS"
 
 
 def test_build_files_do_not_tune_for_the_build_machine():

@@ -1,4 +1,4 @@
-"""Host unit tests of the logic the GPU kernels share with the host (csrc/cuda/*.h), and of
+"""Host unit tests of the logic the GPU kernels share with the host (csrc/gpu/*.h), and of
 the CPU kernels' portable pieces (csrc/cpu/score_pieces.h, vec_math.h).
 
 Each tests/cpp/test_*.cpp is one program that includes a header, checks it, and exits

@@ -42,11 +42,11 @@ void check_launch(GpuError error, const char* op) {
 // Launches on gating_output's device and current stream; checks the kernel's own limits first.
 void run_grouped_topk_cuda(const BiasedGroupedTopkParams& p, const at::Tensor& gating_output,
                            const char* op) {
-  const char* limit = biased_grouped_topk_cuda_limit(p);
+  const char* limit = biased_grouped_topk_gpu_limit(p);
   TORCH_CHECK(limit == nullptr, limit);
   if (p.num_tokens == 0) return;
   const c10::DeviceGuard guard(gating_output.device());
-  check_launch(biased_grouped_topk_cuda(p, current_stream(gating_output)), op);
+  check_launch(biased_grouped_topk_gpu(p, current_stream(gating_output)), op);
 }
 
 void biased_grouped_topk_out_cuda(const at::Tensor& gating_output,
@@ -127,8 +127,8 @@ at::Tensor router_gemm_cuda_op(const at::Tensor& hidden_states, const at::Tensor
   const c10::DeviceGuard guard(hidden_states.device());
   if (p.hidden_size == 0) {
     logits.zero_();
-  } else if (router_gemm_cuda_supported(p)) {
-    check_launch(router_gemm_cuda(p, current_stream(hidden_states)), op);
+  } else if (router_gemm_gpu_supported(p)) {
+    check_launch(router_gemm_gpu(p, current_stream(hidden_states)), op);
   } else {
     router_gemm_platform(hidden_states, weight, logits);
   }
@@ -141,7 +141,7 @@ void zero_tail_cuda(const at::Tensor& buf, int64_t new_extent, int64_t prev_exte
   const ZeroRowsParams p = make_zero_tail_params(buf, new_extent, prev_extent, op);
   if (p.row_end <= p.row_begin || p.row_bytes == 0) return;
   const c10::DeviceGuard guard(buf.device());
-  check_launch(zero_rows_cuda(p, current_stream(buf)), op);
+  check_launch(zero_rows_gpu(p, current_stream(buf)), op);
 }
 
 void zero_tail_tracked_cuda(const at::Tensor& buf, const at::Tensor& state, int64_t new_extent) {
@@ -153,7 +153,7 @@ void zero_tail_tracked_cuda(const at::Tensor& buf, const at::Tensor& state, int6
   // largest tail it could be: [new_extent, rows).
   const ZeroRowsParams p = make_zero_tail_params(buf, new_extent, buf.size(0), op, &state);
   const c10::DeviceGuard guard(buf.device());
-  check_launch(zero_rows_tracked_cuda(p, state.data_ptr<int64_t>(), new_extent,
+  check_launch(zero_rows_tracked_gpu(p, state.data_ptr<int64_t>(), new_extent,
                                       current_stream(buf)),
                op);
 }
@@ -169,14 +169,14 @@ at::Tensor shuffle_weight_cuda_impl(const at::Tensor& w, at::IntArrayRef layout,
     const ShuffleWeightParams p =
         make_shuffle_weight_params(src, out.data_ptr(), layout, gate_up, op);
     if (p.batch * p.rows * p.row_bytes == 0) return out;
-    check_launch(shuffle_weight_cuda(p, current_stream(w)), op);
+    check_launch(shuffle_weight_gpu(p, current_stream(w)), op);
   } else {
     // The shuffled layout is defined on dense memory: read a dense copy if w is a view.
     const at::Tensor src = w.contiguous();
     const ShuffleWeightParams p =
         make_shuffle_weight_params(out, const_cast<void*>(src.data_ptr()), layout, gate_up, op);
     if (p.batch * p.rows * p.row_bytes == 0) return out;
-    check_launch(unshuffle_weight_cuda(p, current_stream(w)), op);
+    check_launch(unshuffle_weight_gpu(p, current_stream(w)), op);
   }
   return out;
 }
@@ -198,7 +198,7 @@ at::Tensor e8m0_shuffle_cuda_op(const at::Tensor& scale, bool gate_up,
   if (out.numel() == 0) return out;
   p.shuffled = static_cast<uint8_t*>(out.data_ptr());
   const c10::DeviceGuard guard(scale.device());
-  check_launch(e8m0_shuffle_cuda(p, current_stream(scale)), op);
+  check_launch(e8m0_shuffle_gpu(p, current_stream(scale)), op);
   return out;
 }
 
@@ -213,7 +213,7 @@ at::Tensor e8m0_unshuffle_cuda_op(const at::Tensor& shuffled, int64_t m, int64_t
   p.shuffled_in = static_cast<const uint8_t*>(src.data_ptr());
   p.unshuffled = static_cast<uint8_t*>(out.data_ptr());
   const c10::DeviceGuard guard(shuffled.device());
-  check_launch(e8m0_unshuffle_cuda(p, current_stream(shuffled)), op);
+  check_launch(e8m0_unshuffle_gpu(p, current_stream(shuffled)), op);
   return out;
 }
 

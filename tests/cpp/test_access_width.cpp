@@ -1,9 +1,9 @@
-// Host unit test of csrc/cuda/access_width.h: the access width the launchers pick must
+// Host unit test of csrc/gpu/access_width.h: the access width the launchers pick must
 // divide every address, stride and length they OR together, and be the widest that does.
 #include <cstdint>
 #include <cstdio>
 
-#include "cuda/access_width.h"
+#include "gpu/access_width.h"
 
 int main() {
   int failures = 0;

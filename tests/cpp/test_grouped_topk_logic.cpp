@@ -1,4 +1,4 @@
-// Host unit test of csrc/cuda/grouped_topk_logic.h, the logic the grouped top-k GPU kernels
+// Host unit test of csrc/gpu/grouped_topk_logic.h, the logic the grouped top-k GPU kernels
 // run: each function against a straightforward statement of SPEC.md section 1.
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "check.h"
-#include "cuda/grouped_topk_logic.h"
+#include "gpu/grouped_topk_logic.h"
 
 namespace gt = moeext::gpu::grouped_topk;
 using moeext::gpu::bits_float;

@@ -1,11 +1,11 @@
-// Host unit test of csrc/cuda/numeric.h, the bit helpers the GPU kernels use.
+// Host unit test of csrc/gpu/numeric.h, the bit helpers the GPU kernels use.
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <random>
 
-#include "cuda/numeric.h"
+#include "gpu/numeric.h"
 
 using moeext::gpu::bits_float;
 using moeext::gpu::float_bits;

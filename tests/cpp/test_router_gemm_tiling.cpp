@@ -1,4 +1,4 @@
-// Host unit test of csrc/cuda/router_gemm_tiling.h: the token tiles, the params the small-T
+// Host unit test of csrc/gpu/router_gemm_tiling.h: the token tiles, the params the small-T
 // kernel accepts, and the warp reduce-scatter's lane -> value map, checked by simulating the
 // butterfly lane by lane with the same keep/send rule the kernel uses.
 #include <cstdint>
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "check.h"
-#include "cuda/router_gemm_tiling.h"
+#include "gpu/router_gemm_tiling.h"
 
 namespace gpu = moeext::gpu;
 using moeext::DType;

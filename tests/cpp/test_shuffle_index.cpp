@@ -1,4 +1,4 @@
-// Host unit test of csrc/cuda/shuffle_index.h, the index maps of the MXFP4 shuffle kernels:
+// Host unit test of csrc/gpu/shuffle_index.h, the index maps of the MXFP4 shuffle kernels:
 // each map against SPEC.md section 3's formulas written out literally, each pair of maps as
 // mutual inverses (bijections), and the decompositions the kernels use (thread slots,
 // 16-row halves, 16-byte pieces of a 256-byte block) replayed on random bytes against a
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "check.h"
-#include "cuda/shuffle_index.h"
+#include "gpu/shuffle_index.h"
 
 namespace gpu = moeext::gpu;
 using moeext::gate_up_source_row;

@@ -1,4 +1,4 @@
-// Host unit test of csrc/cuda/zero_rows_index.h: the tracked extent clamp (the CPU's
+// Host unit test of csrc/gpu/zero_rows_index.h: the tracked extent clamp (the CPU's
 // semantics) and the grid-stride (row, unit) walk of the zeroing kernel.
 #include <algorithm>
 #include <cstdint>
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "check.h"
-#include "cuda/zero_rows_index.h"
+#include "gpu/zero_rows_index.h"
 
 namespace gpu = moeext::gpu;
 

@@ -14,7 +14,7 @@
 
 namespace moeext {
 
-// Every *_cuda launcher enqueues its work on `stream` (a cudaStream_t, or a hipStream_t
+// Every *_gpu launcher enqueues its work on `stream` (a cudaStream_t, or a hipStream_t
 // when built as HIP) on the current device, allocates nothing, never synchronises, and
 // returns nullptr, or a message: the runtime's when a launch failed, the launcher's own for
 // params or a device it does not take (nothing is launched then).

@@ -56,11 +56,11 @@ inline int64_t biased_grouped_topk_cpu_grain(int64_t num_experts) {
 }
 
 // Routes every token on the GPU. What the GPU kernels cannot route (more than 4096 experts,
-// a warp that is neither 32 nor 64 lanes: see biased_grouped_topk_cuda_limit) is not
+// a warp that is neither 32 nor 64 lanes: see biased_grouped_topk_gpu_limit) is not
 // launched: the caller checks first.
-GpuError biased_grouped_topk_cuda(const BiasedGroupedTopkParams& params, void* stream);
+GpuError biased_grouped_topk_gpu(const BiasedGroupedTopkParams& params, void* stream);
 
 // nullptr when the GPU kernels route this topology, else a message naming the limit.
-const char* biased_grouped_topk_cuda_limit(const BiasedGroupedTopkParams& params);
+const char* biased_grouped_topk_gpu_limit(const BiasedGroupedTopkParams& params);
 
 }  // namespace moeext

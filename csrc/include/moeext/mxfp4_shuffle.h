@@ -61,10 +61,10 @@ void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t b
 void e8m0_unshuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t block_end);
 
 // The same four transforms on the GPU, whole tensors at once.
-GpuError shuffle_weight_cuda(const ShuffleWeightParams& p, void* stream);
-GpuError unshuffle_weight_cuda(const ShuffleWeightParams& p, void* stream);
-GpuError e8m0_shuffle_cuda(const E8m0ShuffleParams& p, void* stream);
-GpuError e8m0_unshuffle_cuda(const E8m0ShuffleParams& p, void* stream);
+GpuError shuffle_weight_gpu(const ShuffleWeightParams& p, void* stream);
+GpuError unshuffle_weight_gpu(const ShuffleWeightParams& p, void* stream);
+GpuError e8m0_shuffle_gpu(const E8m0ShuffleParams& p, void* stream);
+GpuError e8m0_unshuffle_gpu(const E8m0ShuffleParams& p, void* stream);
 
 // Row of the un-interleaved tensor that interleaved row `row` comes from: 16-row blocks
 // alternate gate (first half of each group of rows_per_group) and up (second half).

@@ -60,7 +60,7 @@ inline int64_t router_gemm_cpu_grain(const RouterGemmParams& params, int64_t exp
 // of 8, 16-byte aligned rows) and beats the platform GEMM on the current device for them
 // (9..16 tokens only while their blocks fit one wave); the caller hands anything else to
 // the platform GEMM.
-bool router_gemm_cuda_supported(const RouterGemmParams& params);
-GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream);
+bool router_gemm_gpu_supported(const RouterGemmParams& params);
+GpuError router_gemm_gpu(const RouterGemmParams& params, void* stream);
 
 }  // namespace moeext

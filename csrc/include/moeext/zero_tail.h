@@ -21,13 +21,13 @@ struct ZeroRowsParams {
 void zero_rows_cpu(const ZeroRowsParams& params, int64_t row_begin, int64_t row_end);
 
 // Zeroes params' rows [row_begin, row_end) on the GPU.
-GpuError zero_rows_cuda(const ZeroRowsParams& params, void* stream);
+GpuError zero_rows_gpu(const ZeroRowsParams& params, void* stream);
 
 // The tracked form, with the previous extent kept in device memory so CUDA-graph replays
 // stay right: zeroes rows [params.row_begin, min(max(*state, 0), params.row_end)), then
 // stores new_extent into *state, all on the stream. params.row_begin is new_extent clamped to
 // the buffer and params.row_end is the buffer's row count.
-GpuError zero_rows_tracked_cuda(const ZeroRowsParams& params, int64_t* state,
+GpuError zero_rows_tracked_gpu(const ZeroRowsParams& params, int64_t* state,
                                 int64_t new_extent, void* stream);
 
 }  // namespace moeext

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "cuda/numeric.h"
+#include "gpu/numeric.h"
 #include "moeext/common.h"
 
 namespace moeext::gpu::grouped_topk {

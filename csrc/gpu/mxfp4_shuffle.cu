@@ -13,10 +13,10 @@
 // 16-byte stores), gathering them from 8 rows x 2 columns of the scale; e8m0_unshuffle: a
 // thread writes up to 8 consecutive bytes of one output row, gathered from one 256-byte
 // block.
-#include "cuda/access_width.h"
-#include "cuda/compat.h"
-#include "cuda/shuffle_index.h"
-#include "cuda/vector_access.h"
+#include "gpu/access_width.h"
+#include "gpu/compat.h"
+#include "gpu/shuffle_index.h"
+#include "gpu/vector_access.h"
 #include "moeext/mxfp4_shuffle.h"
 
 namespace moeext {
@@ -75,17 +75,17 @@ __global__ void __launch_bounds__(kMaxThreads) shuffle_weight_kernel(ShuffleWeig
 const char* check_weight_params(const ShuffleWeightParams& p) {
   static_assert(kMaxShuffleBand <= kMaxThreads, "a block holds a thread per row of a band");
   if (p.band < 1 || p.band > kMaxShuffleBand) {
-    return "shuffle_weight_cuda: band must be in [1, kMaxShuffleBand]";
+    return "shuffle_weight_gpu: band must be in [1, kMaxShuffleBand]";
   }
   if (p.batch < 0 || p.rows < 0 || p.row_bytes < 0) {
-    return "shuffle_weight_cuda: negative size";
+    return "shuffle_weight_gpu: negative size";
   }
-  if (p.rows % p.band != 0) return "shuffle_weight_cuda: rows must be a multiple of band";
+  if (p.rows % p.band != 0) return "shuffle_weight_gpu: rows must be a multiple of band";
   if (p.row_bytes % gpu::kShuffleChunkBytes != 0) {
-    return "shuffle_weight_cuda: row_bytes must be a multiple of 16";
+    return "shuffle_weight_gpu: row_bytes must be a multiple of 16";
   }
   if (p.gate_up && p.rows % 32 != 0) {
-    return "shuffle_weight_cuda: gate_up needs rows to be a multiple of 32";
+    return "shuffle_weight_gpu: gate_up needs rows to be a multiple of 32";
   }
   return nullptr;
 }
@@ -213,29 +213,29 @@ __global__ void __launch_bounds__(kMaxThreads) e8m0_unshuffle_kernel(E8m0Shuffle
 }
 
 const char* check_e8m0_params(const E8m0ShuffleParams& p) {
-  if (p.m < 0 || p.n < 0) return "e8m0_(un)shuffle_cuda: m and n must be >= 0";
+  if (p.m < 0 || p.n < 0) return "e8m0_(un)shuffle_gpu: m and n must be >= 0";
   if (p.padded_m != (p.m + 255) / 256 * 256 || p.padded_n != (p.n + 7) / 8 * 8) {
-    return "e8m0_(un)shuffle_cuda: padded_m and padded_n must be m and n rounded up to 256 "
+    return "e8m0_(un)shuffle_gpu: padded_m and padded_n must be m and n rounded up to 256 "
            "and 8";
   }
   if (p.rows_per_expert < 0 ||
       (p.rows_per_expert > 0 && (p.rows_per_expert % 32 != 0 || p.m % p.rows_per_expert != 0))) {
-    return "e8m0_(un)shuffle_cuda: rows_per_expert must be a multiple of 32 that divides m";
+    return "e8m0_(un)shuffle_gpu: rows_per_expert must be a multiple of 32 that divides m";
   }
   return nullptr;
 }
 
 }  // namespace
 
-GpuError shuffle_weight_cuda(const ShuffleWeightParams& p, void* stream) {
+GpuError shuffle_weight_gpu(const ShuffleWeightParams& p, void* stream) {
   return launch_shuffle_weight<true>(p, gpu::as_stream(stream));
 }
 
-GpuError unshuffle_weight_cuda(const ShuffleWeightParams& p, void* stream) {
+GpuError unshuffle_weight_gpu(const ShuffleWeightParams& p, void* stream) {
   return launch_shuffle_weight<false>(p, gpu::as_stream(stream));
 }
 
-GpuError e8m0_shuffle_cuda(const E8m0ShuffleParams& p, void* stream) {
+GpuError e8m0_shuffle_gpu(const E8m0ShuffleParams& p, void* stream) {
   if (const char* error = check_e8m0_params(p)) return error;
   if (p.padded_m == 0 || p.padded_n == 0) return nullptr;
   const gpu::Stream s = gpu::as_stream(stream);
@@ -249,7 +249,7 @@ GpuError e8m0_shuffle_cuda(const E8m0ShuffleParams& p, void* stream) {
   return gpu::launch_status();
 }
 
-GpuError e8m0_unshuffle_cuda(const E8m0ShuffleParams& p, void* stream) {
+GpuError e8m0_unshuffle_gpu(const E8m0ShuffleParams& p, void* stream) {
   if (const char* error = check_e8m0_params(p)) return error;
   if (p.m == 0 || p.n == 0) return nullptr;
   const gpu::Stream s = gpu::as_stream(stream);

@@ -64,7 +64,7 @@ MOEEXT_HOST_DEVICE inline bool router_gemm_small_t_pays(int64_t num_tokens, int6
 
 MOEEXT_HOST_DEVICE inline int dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
-// Whether the small-T kernel takes these params (router_gemm_cuda_supported): 1..16 tokens,
+// Whether the small-T kernel takes these params (router_gemm_gpu_supported): 1..16 tokens,
 // hidden_size a multiple of 8, and 16-byte aligned rows for both inputs (base pointer and
 // row stride in bytes; the stride of a single row is never used, so it may be anything).
 MOEEXT_HOST_DEVICE inline bool router_gemm_small_t_supported(const RouterGemmParams& p) {

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "cuda/compat.h"
+#include "gpu/compat.h"
 
 namespace moeext::gpu {
 

@@ -20,8 +20,8 @@
 // Token rows past the runtime count repeat the last row (loads of the same addresses, all
 // in one basic block so the loads of every token can be issued before the FMAs) and are
 // never written.
-#include "cuda/compat.h"
-#include "cuda/router_gemm_tiling.h"
+#include "gpu/compat.h"
+#include "gpu/router_gemm_tiling.h"
 #include "moeext/router_gemm.h"
 
 namespace moeext {
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
     const int num_chunks = int(p.hidden_size / kElements);
     const int expert_begin = int(blockIdx.x) * kExperts;
 
-    // Rows in 16-byte chunks (router_gemm_cuda_supported checked the alignment).
+    // Rows in 16-byte chunks (router_gemm_gpu_supported checked the alignment).
     const uint4* weight_rows[kExperts];
 #pragma unroll
     for (int i = 0; i < kExperts; ++i) {
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
       weight_rows[i] = reinterpret_cast<const uint4*>(static_cast<const In*>(p.weight) +
                                                       int64_t(e) * p.weight_row_stride);
     }
-    // 32-bit chunk offsets (router_gemm_cuda_supported checked that they fit): a 64-bit
+    // 32-bit chunk offsets (router_gemm_gpu_supported checked that they fit): a 64-bit
     // pointer per token would hold twice the registers.
     const uint4* hidden = static_cast<const uint4*>(p.hidden_states);
     const int hidden_stride_chunks = num_tokens > 1 ? int(p.hidden_row_stride / kElements) : 0;
@@ -244,7 +244,7 @@ GpuError launch_for_tokens(const RouterGemmParams& p, gpu::Stream stream) {
     case 16:
       return launch<16, kWarpSize, In, Out>(p, stream);
     default:
-      return "router_gemm_cuda: num_tokens outside the small-T kernel's 1..16";
+      return "router_gemm_gpu: num_tokens outside the small-T kernel's 1..16";
   }
 }
 
@@ -256,7 +256,7 @@ GpuError launch_for_logits(const RouterGemmParams& p, gpu::Stream stream) {
     case DType::kBFloat16:
       return launch_for_tokens<kWarpSize, In, gpu::bf16>(p, stream);
     default:
-      return "router_gemm_cuda: logits dtype must be float32 or bfloat16";
+      return "router_gemm_gpu: logits dtype must be float32 or bfloat16";
   }
 }
 
@@ -270,24 +270,24 @@ GpuError launch_for_inputs(const RouterGemmParams& p, gpu::Stream stream) {
     case DType::kFloat32:
       return launch_for_logits<kWarpSize, float>(p, stream);
     default:
-      return "router_gemm_cuda: input dtype must be bfloat16, float16 or float32";
+      return "router_gemm_gpu: input dtype must be bfloat16, float16 or float32";
   }
 }
 
 }  // namespace
 
-bool router_gemm_cuda_supported(const RouterGemmParams& params) {
+bool router_gemm_gpu_supported(const RouterGemmParams& params) {
   return gpu::router_gemm_small_t_supported(params) &&
          gpu::router_gemm_small_t_pays(params.num_tokens, params.num_experts,
                                        gpu::multiprocessor_count_of_current_device());
 }
 
-GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream) {
+GpuError router_gemm_gpu(const RouterGemmParams& params, void* stream) {
   if (params.num_tokens == 0 || params.num_experts == 0) return nullptr;  // no logits
-  if (!router_gemm_cuda_supported(params)) {
-    return "router_gemm_cuda: params not supported by the small-T kernel (needs 1..16 tokens, "
+  if (!router_gemm_gpu_supported(params)) {
+    return "router_gemm_gpu: params not supported by the small-T kernel (needs 1..16 tokens, "
            "9..16 only while their blocks fit one wave, hidden_size % 8 == 0, 16-byte "
-           "aligned rows); check router_gemm_cuda_supported";
+           "aligned rows); check router_gemm_gpu_supported";
   }
   const gpu::Stream s = gpu::as_stream(stream);
   switch (gpu::warp_size_of_current_device()) {
@@ -296,7 +296,7 @@ GpuError router_gemm_cuda(const RouterGemmParams& params, void* stream) {
     case 64:
       return launch_for_inputs<64>(params, s);
     default:
-      return "router_gemm_cuda: the device's warp size is neither 32 nor 64 (or it could not "
+      return "router_gemm_gpu: the device's warp size is neither 32 nor 64 (or it could not "
              "be asked)";
   }
 }

@@ -19,8 +19,8 @@
 // and templating on it would triple the instances for no gain outside the scoring loop.
 #include <type_traits>
 
-#include "cuda/compat.h"
-#include "cuda/grouped_topk_logic.h"
+#include "gpu/compat.h"
+#include "gpu/grouped_topk_logic.h"
 #include "moeext/grouped_topk.h"
 
 namespace moeext {
@@ -771,7 +771,7 @@ const char* format_message(const char* prefix, int64_t value, const char* suffix
 }  // namespace
 }  // namespace gpu::grouped_topk
 
-const char* biased_grouped_topk_cuda_limit(const BiasedGroupedTopkParams& params) {
+const char* biased_grouped_topk_gpu_limit(const BiasedGroupedTopkParams& params) {
   using namespace gpu::grouped_topk;
   if (params.num_experts > kMaxExperts) {
     return format_message("biased_grouped_topk: the GPU kernels take at most 4096 experts, got ",
@@ -788,10 +788,10 @@ const char* biased_grouped_topk_cuda_limit(const BiasedGroupedTopkParams& params
   return nullptr;
 }
 
-GpuError biased_grouped_topk_cuda(const BiasedGroupedTopkParams& params, void* stream) {
+GpuError biased_grouped_topk_gpu(const BiasedGroupedTopkParams& params, void* stream) {
   using namespace gpu::grouped_topk;
   if (params.num_tokens <= 0) return nullptr;
-  if (const char* limit = biased_grouped_topk_cuda_limit(params)) return limit;
+  if (const char* limit = biased_grouped_topk_gpu_limit(params)) return limit;
   const int warp_size = gpu::warp_size_of_current_device();
   KernelArgs args;
   args.p = params;

@@ -1,4 +1,4 @@
-// The one place where CUDA and HIP differ for moeext's kernels. Every .cu under csrc/cuda/
+// The one place where CUDA and HIP differ for moeext's kernels. Every .cu under csrc/gpu/
 // includes this instead of a runtime header, and the same sources build with nvcc or as HIP
 // (hipcc, or clang -x hip).
 #pragma once
@@ -17,7 +17,7 @@
 #include <cuda_runtime.h>
 #endif
 
-#include "cuda/numeric.h"
+#include "gpu/numeric.h"
 
 namespace moeext::gpu {
 

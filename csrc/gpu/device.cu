@@ -1,7 +1,7 @@
 // Per-device facts the launchers need on the host, asked once per device and cached.
 #include <atomic>
 
-#include "cuda/compat.h"
+#include "gpu/compat.h"
 
 namespace moeext::gpu {
 namespace {

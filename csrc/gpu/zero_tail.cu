@@ -7,10 +7,10 @@
 // buffer allows and reads the previous extent on the device, so one captured graph stays
 // right on every replay; the extent is updated by a second one-thread launch on the same
 // stream, which starts only after every block of the first has read the old value.
-#include "cuda/access_width.h"
-#include "cuda/compat.h"
-#include "cuda/vector_access.h"
-#include "cuda/zero_rows_index.h"
+#include "gpu/access_width.h"
+#include "gpu/compat.h"
+#include "gpu/vector_access.h"
+#include "gpu/zero_rows_index.h"
 #include "moeext/zero_tail.h"
 
 namespace moeext {
@@ -82,7 +82,7 @@ GpuError launch_zero_rows(const ZeroRowsParams& p, const int64_t* state, gpu::St
 
 }  // namespace
 
-GpuError zero_rows_cuda(const ZeroRowsParams& params, void* stream) {
+GpuError zero_rows_gpu(const ZeroRowsParams& params, void* stream) {
   if (params.row_begin >= params.row_end || params.row_bytes <= 0) return nullptr;
   const gpu::Stream s = gpu::as_stream(stream);
   const int64_t rows = params.row_end - params.row_begin;
@@ -99,9 +99,9 @@ GpuError zero_rows_cuda(const ZeroRowsParams& params, void* stream) {
   return launch_zero_rows(params, nullptr, s);
 }
 
-GpuError zero_rows_tracked_cuda(const ZeroRowsParams& params, int64_t* state,
+GpuError zero_rows_tracked_gpu(const ZeroRowsParams& params, int64_t* state,
                                 int64_t new_extent, void* stream) {
-  if (state == nullptr) return "zero_rows_tracked_cuda: state is null";
+  if (state == nullptr) return "zero_rows_tracked_gpu: state is null";
   const gpu::Stream s = gpu::as_stream(stream);
   if (params.row_begin < params.row_end && params.row_bytes > 0) {
     const GpuError error = launch_zero_rows(params, state, s);
