@@ -49,17 +49,45 @@ OPS = ("biased_grouped_topk", "biased_grouped_topk_out", "router_gemm", "zero_ta
        "e8m0_unshuffle")
 
 
-def test_every_op_has_one_schema_a_fake_and_both_backends():
+def _registrations():
+    """{dispatch key: {op: binding file}} from csrc/torch/ops/*.cpp's TORCH_LIBRARY_IMPL blocks."""
+    found = {}
+    for source in sorted((ROOT / "csrc" / "torch" / "ops").glob("*.cpp")):
+        text = source.read_text()
+        for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(moeext, (\w+), m\) \{(.*?)\n\}", text,
+                                    re.DOTALL):
+            for name in re.findall(r'm\.impl\(\s*"(\w+)"', body):
+                assert name not in found.setdefault(key, {}), (key, name)
+                found[key][name] = source.name
+    return found
+
+
+def test_every_op_has_one_schema_a_fake_and_one_binding_file():
+    """One schema line, one fake, and every kernel of an op (CPU, CUDA, Autograd) registered
+    in one binding file of csrc/torch/ops."""
     schema = (ROOT / "csrc" / "torch" / "schema.cpp").read_text()
     fakes = (ROOT / "python" / "moeext" / "_fake.py").read_text()
-    cpu = (ROOT / "csrc" / "torch" / "cpu_ops.cpp").read_text()
-    cuda = (ROOT / "csrc" / "torch" / "cuda_ops.cpp").read_text()
+    registered = _registrations()
     for name in OPS:
-        assert f'"{name}(' in schema
+        assert schema.count(f'"{name}(') == 1
         assert f'"moeext::{name}"' in fakes
-        assert f'm.impl("{name}",' in cpu
-        assert f'm.impl("{name}",' in cuda
+        keys = ["CPU", "CUDA", "Autograd"] + (["ADInplaceOrView"] if name in
+                                              registered.get("ADInplaceOrView", {}) else [])
+        files = {registered[key][name] for key in keys}
+        assert len(files) == 1, (name, files)
         assert hasattr(torch.ops.moeext, name)
+
+
+def test_check_messages_are_filled_in_by_both_languages():
+    """Every message the fakes share with the kernels has a key of its op family and fields
+    in braces only; the keys the fakes ask for all exist."""
+    messages = moeext._C.check_messages()
+    assert messages and all(re.fullmatch(r"\w+\.\w+", key) for key in messages)
+    for text in messages.values():
+        assert text.count("{") == text.count("}") and "{op}" in text
+    asked = set(re.findall(r'_message\("([\w.]+)"', (ROOT / "python" / "moeext" / "_fake.py")
+                           .read_text()))
+    assert asked <= set(messages), asked - set(messages)
 
 
 def test_registered_backends_match_build_info():

@@ -1,6 +1,6 @@
 // moeext._C: importing it loads the TORCH_LIBRARY registrations of this shared library. The
-// few functions here are about the build and the CPU paths, plus the per-step wrappers'
-// direct calls of their ops (python_calls.cpp); the ops themselves are torch.ops.
+// functions here are about the build and the CPU paths, the check messages the fakes share
+// with the kernels, and the direct calls of the per-step ops' wrappers (ops/*.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -8,7 +8,8 @@
 #include <vector>
 
 #include "moeext/common.h"
-#include "torch/python_calls.h"
+#include "torch/check_messages.h"
+#include "torch/direct_call.h"
 
 namespace py = pybind11;
 
@@ -87,10 +88,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"),
       "Forces the CPU kernels onto one instruction-set path ('portable', 'avx2', 'avx512', 'avx512bf16') "
       "or back to the best available ('auto').");
-  for (PyMethodDef* def = moeext::torch_glue::python_call_methods(); def->ml_name != nullptr;
-       ++def) {
-    PyObject* function = PyCFunction_NewEx(def, nullptr, m.attr("__name__").ptr());
+  m.def("check_messages", [] {
+    py::dict messages;
+    for (const auto* message : moeext::torch_glue::registered_check_messages()) {
+      messages[message->key] = message->text;
+    }
+    return messages;
+  }, "The texts of the errors an op's checks and its fake both raise, by key; fields in braces\n"
+     "(str.format).");
+  for (const PyMethodDef& def : moeext::torch_glue::direct_call_methods()) {
+    PyObject* function =
+        PyCFunction_NewEx(const_cast<PyMethodDef*>(&def), nullptr, m.attr("__name__").ptr());
     if (function == nullptr) throw py::error_already_set();
-    m.add_object(def->ml_name, py::reinterpret_steal<py::object>(function));
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(function));
   }
 }

@@ -1,6 +1,6 @@
-// Every moeext operator schema, in one place. Implementations register per dispatch key
-// elsewhere (cpu_ops.cpp, cuda_ops.cpp, autograd_ops.cpp); fakes are registered
-// from Python (python/moeext/_fake.py).
+// Every moeext operator schema, in one place. Each op's implementations register per
+// dispatch key in its own file under ops/; fakes are registered from Python
+// (python/moeext/_fake.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY(moeext, m) {

@@ -9,7 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["biased_grouped_topk", "router_gemm", "unpack_router_weight", "routing_scores",
+__all__ = ["biased_grouped_topk", "router_gemm", "is_prepacked_router_weight",
+           "unpack_router_weight", "routing_scores",
            "SCORING_FUNCS", "zero_tail_", "zero_tail_tracked_", "shuffle_weight",
            "unshuffle_weight", "e8m0_shuffle", "e8m0_unshuffle"]
 
@@ -135,10 +136,16 @@ def router_gemm(
     bound that by a tolerance that grows with ``hidden_size``. A prepacked (3-D) weight is
     unpacked first.
     """
-    if weight.dim() == 3:
+    if is_prepacked_router_weight(weight):
         weight = unpack_router_weight(weight, hidden_states.shape[1])
     exact = hidden_states.double() @ weight.double().T
     return exact.to(torch.float32 if out_dtype is None else out_dtype)
+
+
+def is_prepacked_router_weight(weight: torch.Tensor) -> bool:
+    """Whether a router weight is in ``moeext.prepack_router_weight``'s layout
+    ``[ceil(H / 2), E, 2]`` (3-D) rather than ``nn.Linear``'s ``[E, H]`` (2-D)."""
+    return weight.dim() == 3
 
 
 def unpack_router_weight(packed: torch.Tensor, hidden_size: int) -> torch.Tensor:

@@ -1,0 +1,126 @@
+#include "torch/direct_call.h"
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <new>
+
+namespace moeext::torch_glue {
+
+bool parse(PyObject* obj, at::Tensor& out) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  out = THPVariable_Unpack(obj);
+  return true;
+}
+
+bool parse(PyObject* obj, std::optional<at::Tensor>& out) {
+  if (obj == Py_None) {
+    out.reset();
+    return true;
+  }
+  at::Tensor t;
+  if (!parse(obj, t)) return false;
+  out = std::move(t);
+  return true;
+}
+
+bool parse(PyObject* obj, int64_t& out) {
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (overflow != 0) return false;
+  out = v;
+  return true;
+}
+
+bool parse(PyObject* obj, bool& out) {
+  if (!PyBool_Check(obj)) return false;
+  out = obj == Py_True;
+  return true;
+}
+
+bool parse(PyObject* obj, double& out) {
+  if (PyFloat_CheckExact(obj)) {
+    out = PyFloat_AS_DOUBLE(obj);
+    return true;
+  }
+  int64_t i = 0;
+  if (!parse(obj, i)) return false;
+  out = double(i);
+  return true;
+}
+
+bool parse(PyObject* obj, c10::string_view& out) {
+  if (!PyUnicode_CheckExact(obj)) return false;
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(obj, &size);
+  if (data == nullptr) {  // not encodable (lone surrogates): torch.ops says why
+    PyErr_Clear();
+    return false;
+  }
+  out = c10::string_view(data, size_t(size));
+  return true;
+}
+
+bool parse(PyObject* obj, std::optional<at::ScalarType>& out) {
+  if (obj == Py_None) {
+    out.reset();
+    return true;
+  }
+  if (!THPDtype_Check(obj)) return false;
+  out = reinterpret_cast<THPDtype*>(obj)->scalar_type;
+  return true;
+}
+
+bool parse(PyObject* obj, c10::SymInt& out) {
+  int64_t i = 0;
+  if (!parse(obj, i)) return false;
+  out = c10::SymInt(i);
+  return true;
+}
+
+PyObject* to_python(const at::Tensor& t) { return THPVariable_Wrap(t); }
+
+PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t) {
+  PyObject* first = THPVariable_Wrap(std::get<0>(t));
+  PyObject* second = first == nullptr ? nullptr : THPVariable_Wrap(std::get<1>(t));
+  PyObject* result = second == nullptr ? nullptr : PyTuple_Pack(2, first, second);
+  Py_XDECREF(first);
+  Py_XDECREF(second);
+  return result;
+}
+
+bool torch_function_mode_active() { return at::impl::torch_function_mode_enabled(); }
+
+void throw_memory_error(const std::bad_alloc& error) {
+  // A python_error holding MemoryError goes through HANDLE_TH_ERRORS's own handlers, which
+  // restore it.
+  PyErr_SetString(PyExc_MemoryError, error.what());
+  python_error e;
+  e.persist();
+  throw e;
+}
+
+namespace {
+
+std::deque<PyMethodDef>& methods() {
+  static std::deque<PyMethodDef> registered;
+  return registered;
+}
+
+}  // namespace
+
+DirectCallRegistration::DirectCallRegistration(
+    const char* name, PyObject* (*call)(PyObject*, PyObject* const*, Py_ssize_t),
+    const char* doc) {
+  // METH_FASTCALL functions are stored as PyCFunction; the cast goes through void (*)() so
+  // that compilers do not warn about the differing signature.
+  methods().push_back(PyMethodDef{
+      name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
+      doc});
+}
+
+const std::deque<PyMethodDef>& direct_call_methods() { return methods(); }
+
+}  // namespace moeext::torch_glue

@@ -1,0 +1,291 @@
+// router_gemm (docs/SPEC.md section 2): checks, launcher params, the CPU and GPU
+// implementations, autograd, and the direct call of the Python wrapper.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "moeext/router_gemm.h"
+#include "torch/binding.h"
+#include "torch/check_messages.h"
+#include "torch/direct_call.h"
+#include "torch/parallel.h"
+
+namespace moeext::torch_glue {
+namespace {
+
+// ---- Checks ------------------------------------------------------------------------------
+
+const CheckMessage kHiddenRank{
+    "router_gemm.hidden_states_rank",
+    "{op}: hidden_states must be 2-D [num_tokens, hidden_size], got shape {shape}"};
+const CheckMessage kPackedDtype{
+    "router_gemm.packed_dtype",
+    "{op}: a prepacked weight and hidden_states must both be bfloat16, got weight "
+    "{weight_dtype} and hidden_states {hidden_dtype}"};
+const CheckMessage kPackedShape{
+    "router_gemm.packed_shape",
+    "{op}: a prepacked weight must have shape [{pairs}, num_experts, 2] (ceil(hidden_size / 2) "
+    "for the hidden_size {hidden_size} of hidden_states), got {shape}"};
+const CheckMessage kWeightRank{
+    "router_gemm.weight_rank",
+    "{op}: weight must be 2-D [num_experts, hidden_size] (or prepacked, 3-D "
+    "[ceil(hidden_size / 2), num_experts, 2]), got shape {shape}"};
+const CheckMessage kWeightDtype{
+    "router_gemm.weight_dtype",
+    "{op}: weight must have the dtype of hidden_states ({hidden_dtype}), got {dtype}"};
+const CheckMessage kWeightShape{
+    "router_gemm.weight_shape",
+    "{op}: weight must have shape [num_experts, {hidden_size}] (hidden_size of hidden_states), "
+    "got {shape}"};
+const CheckMessage kOutDtype{
+    "router_gemm.out_dtype",
+    "{op}: out_dtype must be float32 or bfloat16 (or None for float32), got {dtype}"};
+const CheckMessages kMessages{&kHiddenRank, &kPackedDtype, &kPackedShape, &kWeightRank,
+                              &kWeightDtype, &kWeightShape, &kOutDtype};
+
+// The one test of a prepacked weight (moeext.prepack_router_weight's layout
+// [ceil(hidden_size / 2), num_experts, 2]): the nn.Linear layout is 2-D.
+bool is_prepacked(const at::Tensor& weight) { return weight.dim() == 3; }
+
+int64_t num_experts_of(const at::Tensor& weight) {
+  return is_prepacked(weight) ? weight.size(1) : weight.size(0);
+}
+
+// Checks the arguments; returns the logits dtype (out_dtype, float32 if none).
+at::ScalarType check_inputs(const at::Tensor& hidden_states, const at::Tensor& weight,
+                            std::optional<at::ScalarType> out_dtype, const char* op) {
+  TORCH_CHECK(hidden_states.dim() == 2,
+              kHiddenRank({{"op", op}, {"shape", hidden_states.sizes()}}));
+  to_moeext_dtype(hidden_states, op, "hidden_states");
+  const int64_t hidden_size = hidden_states.size(1);
+  if (is_prepacked(weight)) {
+    const int64_t pairs = (hidden_size + 1) / 2;
+    TORCH_CHECK(hidden_states.scalar_type() == at::kBFloat16 &&
+                    weight.scalar_type() == at::kBFloat16,
+                kPackedDtype({{"op", op}, {"weight_dtype", weight.scalar_type()},
+                              {"hidden_dtype", hidden_states.scalar_type()}}));
+    TORCH_CHECK(weight.size(0) == pairs && weight.size(2) == 2,
+                kPackedShape({{"op", op}, {"pairs", pairs}, {"hidden_size", hidden_size},
+                              {"shape", weight.sizes()}}));
+    TORCH_CHECK(weight.is_contiguous(), op,
+                ": a prepacked weight must be contiguous, as moeext.prepack_router_weight "
+                "returns it, got strides ",
+                weight.strides());
+  } else {
+    TORCH_CHECK(weight.dim() == 2, kWeightRank({{"op", op}, {"shape", weight.sizes()}}));
+    TORCH_CHECK(weight.scalar_type() == hidden_states.scalar_type(),
+                kWeightDtype({{"op", op}, {"hidden_dtype", hidden_states.scalar_type()},
+                              {"dtype", weight.scalar_type()}}));
+    TORCH_CHECK(weight.size(1) == hidden_size,
+                kWeightShape({{"op", op}, {"hidden_size", hidden_size}, {"shape", weight.sizes()}}));
+  }
+  check_same_device(weight, "weight", hidden_states, "hidden_states", op);
+  const at::ScalarType logits_dtype = out_dtype.value_or(at::kFloat);
+  TORCH_CHECK(logits_dtype == at::kFloat || logits_dtype == at::kBFloat16,
+              kOutDtype({{"op", op}, {"dtype", logits_dtype}}));
+  return logits_dtype;
+}
+
+// The kernels read whole rows. Any other strides are accepted, as F.linear accepts them, at
+// the cost of one copy here.
+at::Tensor with_contiguous_rows(const at::Tensor& t) {
+  return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous();
+}
+
+RouterGemmParams fill_params(const at::Tensor& hidden_states, const at::Tensor& weight,
+                             const at::Tensor& logits) {
+  RouterGemmParams p;
+  p.hidden_states = hidden_states.data_ptr();
+  p.hidden_row_stride = hidden_states.stride(0);
+  p.weight = weight.data_ptr();
+  p.weight_prepacked = is_prepacked(weight);
+  p.weight_row_stride = p.weight_prepacked ? 0 : weight.stride(0);
+  p.input_dtype = to_moeext_dtype(hidden_states, "router_gemm", "hidden_states");
+  p.logits = logits.data_ptr();
+  p.logits_row_stride = logits.stride(0);
+  p.logits_dtype = to_moeext_dtype(logits, "router_gemm", "out_dtype");
+  p.num_tokens = hidden_states.size(0);
+  p.hidden_size = hidden_states.size(1);
+  p.num_experts = num_experts_of(weight);
+  return p;
+}
+
+// ---- Launch, per device ------------------------------------------------------------------
+
+// Threads split the experts, so each streams its own slice of the weight once and computes
+// every token for it (a prepacked weight at its tiles).
+void launch(Cpu, const RouterGemmParams& p, const at::Tensor& /*hidden_states*/,
+            const at::Tensor& /*weight*/, at::Tensor& /*logits*/, const char* /*op*/) {
+  const int64_t block = router_gemm_expert_block(p);
+  const int64_t num_blocks = (p.num_experts + block - 1) / block;
+  const int64_t grain = router_gemm_cpu_grain(p, block);
+  parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    router_gemm_cpu(p, begin * block, std::min(end * block, p.num_experts));
+  });
+}
+
+#if defined(MOEEXT_GPU_BACKEND)
+// Past the small-T kernel, the platform GEMM (cuBLAS / hipBLASLt) with an fp32 result: mm's
+// out_dtype overload (torch >= 2.8) accumulates and returns fp32 from bf16/fp16 inputs; a bf16
+// result is that fp32 rounded once, never a GEMM that reduces in bf16.
+void platform_gemm(const at::Tensor& hidden_states, const at::Tensor& weight,
+                   at::Tensor& logits) {
+  const at::Tensor weight_t = weight.t();
+  const bool fp32_out = logits.scalar_type() == at::kFloat;
+  if (hidden_states.scalar_type() == at::kFloat) {
+    if (fp32_out) {
+      at::mm_out(logits, hidden_states, weight_t);
+    } else {
+      logits.copy_(at::mm(hidden_states, weight_t));
+    }
+    return;
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (fp32_out) {
+    at::mm_out(logits, hidden_states, weight_t, at::kFloat);
+  } else {
+    logits.copy_(at::mm(hidden_states, weight_t, at::kFloat));
+  }
+#else
+  // No out_dtype before torch 2.8: widen, at the cost of two casts (large T only).
+  logits.copy_(at::mm(hidden_states.to(at::kFloat), weight_t.to(at::kFloat)));
+#endif
+}
+
+void launch(Gpu, const RouterGemmParams& p, const at::Tensor& hidden_states,
+            const at::Tensor& weight, at::Tensor& logits, const char* op) {
+  const c10::DeviceGuard guard(hidden_states.device());
+  if (p.hidden_size == 0) {
+    logits.zero_();
+  } else if (router_gemm_gpu_supported(p)) {
+    Gpu::check_launch(router_gemm_gpu(p, Gpu::stream(hidden_states)), op);
+  } else {
+    platform_gemm(hidden_states, weight, logits);
+  }
+}
+#endif
+
+// ---- The op ------------------------------------------------------------------------------
+
+template <typename Device>
+at::Tensor router_gemm(const at::Tensor& hidden_states, const at::Tensor& weight,
+                       std::optional<at::ScalarType> out_dtype) {
+  constexpr const char* op = "router_gemm";
+  Device::check_device(hidden_states, op, "hidden_states");
+#if defined(MOEEXT_GPU_BACKEND)
+  if constexpr (std::is_same_v<Device, Gpu>) {
+    TORCH_CHECK(!is_prepacked(weight), op,
+                ": a prepacked weight (moeext.prepack_router_weight) is a CPU layout; on ",
+                hidden_states.device(), " pass the [num_experts, hidden_size] weight");
+  }
+#endif
+  const at::ScalarType logits_dtype = check_inputs(hidden_states, weight, out_dtype, op);
+  at::Tensor logits = Device::empty({hidden_states.size(0), num_experts_of(weight)},
+                                    logits_dtype, hidden_states);
+  if (logits.numel() == 0) return logits;
+  const at::Tensor hidden = with_contiguous_rows(hidden_states);
+  const at::Tensor gate = is_prepacked(weight) ? weight : with_contiguous_rows(weight);
+  launch(Device{}, fill_params(hidden, gate, logits), hidden, gate, logits, op);
+  return logits;
+}
+
+using Signature = decltype(router_gemm<Cpu>);
+
+const c10::TypedOperatorHandle<Signature>& handle() {
+  static const auto h = typed_op<Signature>("moeext::router_gemm");
+  return h;
+}
+
+// ---- Autograd ----------------------------------------------------------------------------
+// logits = hidden_states @ weight.T, so the gradients are grad @ weight and grad.T @
+// hidden_states, each computed in fp32 (as the forward accumulates) and returned in its
+// input's dtype. Without this kernel autograd's fallback gave both none, and a gate trained
+// through moeext.nn.GroupedTopKRouter silently kept its weight.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct RouterGemmFunction : public torch::autograd::Function<RouterGemmFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden_states,
+                               const at::Tensor& weight,
+                               std::optional<c10::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    at::Tensor logits = handle().call(hidden_states, weight, out_dtype);
+    ctx->save_for_backward({hidden_states, weight});
+    return {logits};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& grad_logits = grad_outputs[0];
+    if (!grad_logits.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden_states = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor g = grad_logits.to(at::kFloat);
+    at::Tensor grad_hidden, grad_weight;
+    if (ctx->needs_input_grad(0)) {
+      grad_hidden = g.mm(weight.to(at::kFloat)).to(hidden_states.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = g.t().mm(hidden_states.to(at::kFloat)).to(weight.scalar_type());
+    }
+    return {grad_hidden, grad_weight, at::Tensor()};
+  }
+};
+
+at::Tensor router_gemm_autograd(c10::DispatchKeySet keys, const at::Tensor& hidden_states,
+                                const at::Tensor& weight,
+                                std::optional<c10::ScalarType> out_dtype) {
+  if (!at::GradMode::is_enabled() ||
+      (!hidden_states.requires_grad() && !weight.requires_grad())) {
+    return handle().redispatch(keys & c10::after_autograd_keyset, hidden_states, weight,
+                               out_dtype);
+  }
+  // Its gradient would have to be packed, and the hidden states' read through the tiles: a
+  // serving layout, made once under no_grad, with no use for either.
+  TORCH_CHECK(!is_prepacked(weight), "router_gemm: ",
+              hidden_states.requires_grad() ? "hidden_states" : "weight",
+              " requires grad, but a prepacked weight has no gradient formula (pass the "
+              "[num_experts, hidden_size] weight, or call this under torch.no_grad())");
+  return RouterGemmFunction::apply(hidden_states, weight, out_dtype)[0];
+}
+
+// ---- Direct call -------------------------------------------------------------------------
+
+// 64k multiply-adds take about a microsecond even on the vector paths: long enough to let
+// another Python thread run meanwhile.
+struct ComputesMuch {
+  static bool test(const at::Tensor& hidden_states, const at::Tensor& weight,
+                   const std::optional<at::ScalarType>&) {
+    const int64_t tokens = hidden_states.dim() > 0 ? hidden_states.size(0) : 0;
+    return tokens * weight.numel() >= (int64_t(1) << 16);
+  }
+};
+
+const DirectCallRegistration kDirectCall{
+    "call_router_gemm", &DirectCall<Signature>::call<&handle, ComputesMuch>,
+    "moeext.router_gemm's direct call of the op: all three arguments positionally, of the "
+    "plain Python types; returns NotImplemented for anything else."};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moeext, CPU, m) {
+  m.impl("router_gemm", &router_gemm<Cpu>);
+}
+
+#if defined(MOEEXT_GPU_BACKEND)
+TORCH_LIBRARY_IMPL(moeext, CUDA, m) {
+  m.impl("router_gemm", &router_gemm<Gpu>);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
+  m.impl("router_gemm", &router_gemm_autograd);
+}
+
+}  // namespace moeext::torch_glue
