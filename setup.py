@@ -114,9 +114,27 @@ class CMakeBuild(build_ext):
 
 torch_version = torch.__version__.split("+")[0]
 
+
+def version() -> str:
+    """0.1.0 with, for anything compiled, the torch it compiles against as a PEP 440 local
+    label: "0.1.0+torch2.13.cpu", "0.1.0+torch2.11.cu130", "0.1.0+torch2.9.rocm6.4", so that a
+    wheel's name says which torch it needs (that release's C++ ABI, that CUDA or ROCm runtime).
+    An sdist is source for any torch and keeps the plain version."""
+    if "sdist" in sys.argv[1:]:  # `python setup.py sdist` and PEP 517's build_sdist alike
+        return "0.1.0"
+    major_minor = ".".join(torch_version.split(".")[:2])
+    if torch.version.cuda:
+        build = "cu" + torch.version.cuda.replace(".", "")
+    elif getattr(torch.version, "hip", None):
+        build = "rocm" + ".".join(torch.version.hip.split(".")[:2])
+    else:
+        build = "cpu"
+    return f"0.1.0+torch{major_minor}.{build}"
+
+
 setup(
     name="moeext",
-    version="0.1.0",
+    version=version(),
     description="Routing and weight-preparation kernels for Mixture-of-Experts models",
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",

@@ -1,4 +1,4 @@
-"""Loading tensor-parallel shards of checkpoint weights into padded parameters (SPEC.md section 5).
+"""Loading tensor-parallel shards of checkpoint weights into padded parameters (docs/SPEC.md §5).
 
 A parameter may be wider than the checkpoint's per-rank share (MXFP4 rounds the intermediate
 size up), so the slice a rank reads is computed from the checkpoint width, never from the

@@ -1,6 +1,6 @@
 """MXFP4 (OCP Microscaling v1.0) quantization and dequantization in pure PyTorch.
 
-Format (SPEC.md section 3): the last dimension is cut into blocks of 32 consecutive elements
+Format (docs/SPEC.md §3): the last dimension is cut into blocks of 32 consecutive elements
 that share one E8M0 scale. E8M0 is an unsigned 8-bit exponent with bias 127 (code ``c`` means
 ``2 ** (c - 127)``); 0xFF is NaN and there is no zero. Elements are E2M1 codes: codes 0..7 are
 0, 0.5, 1, 1.5, 2, 3, 4, 6 and bit 3 is the sign. Two codes per byte, the **even** element in

@@ -65,7 +65,7 @@ def biased_grouped_topk(
     routed_scaling_factor: float = 1.0,
     scoring_func: str = "sigmoid",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Biased grouped top-k routing (DeepSeek-V3 style), SPEC.md section 1.
+    """Biased grouped top-k routing (DeepSeek-V3 style), docs/SPEC.md §1.
 
     For each token, with every value in fp32:
 
@@ -197,7 +197,7 @@ def router_gemm(
     weight: torch.Tensor,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Router (gate) logits ``hidden_states @ weight.T`` with fp32 accumulation, SPEC.md §2.
+    """Router (gate) logits ``hidden_states @ weight.T`` with fp32 accumulation, docs/SPEC.md §2.
 
     The product a MoE gate computes, returned directly in fp32: no upcast of the inputs, no
     bf16 GEMM result to widen afterwards. On the CPU the weight streams from memory once per
@@ -252,7 +252,7 @@ def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     ``H``'s last pair padded with zero); the tiles follow each other. A register tile of the
     kernel then multiplies whole vectors of experts by one broadcast pair of each token, with
     the tokens in L1 and the weight in one sequential stream. Measured at H = 7168, E = 256
-    and 384 on two cores (README, "Router GEMM"): 0.71-0.86x the time of the ``nn.Linear``
+    and 384 on two cores (docs/PERFORMANCE.md): 0.71-0.86x the time of the ``nn.Linear``
     layout at 2 to 4 tokens, 0.91-0.94x at 1; from 8 tokens up level with it while the weight
     is in the last-level cache, but up to 1.5x slower at 16 to 64 tokens when it comes from
     DRAM. It pays for decode batches of up to about 8 tokens there. On the portable path it
@@ -338,7 +338,7 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     device cannot reject it without a host sync). Bumps the autograd versions of ``buf`` and
     ``state``, as :func:`zero_tail_`. Records no gradient: a ``buf`` that requires grad in
     grad mode raises RuntimeError before anything is written (a compiled backward could not
-    be trusted with the previous extent; the README says why), so differentiate through
+    be trusted with the previous extent; docs/SPEC.md §4 says why), so differentiate through
     :func:`zero_tail_` instead.
     """
     if not _is_scripting() and not _is_dynamo_compiling():
@@ -357,7 +357,7 @@ def _layout_arg(op: str, layout: Tuple[int, int]) -> List[int]:
 
 def shuffle_weight(w: torch.Tensor, layout: Tuple[int, int] = (16, 16),
                    gate_up: bool = False) -> torch.Tensor:
-    """Pre-shuffles a weight into the tile layout AITER's MoE kernels read (SPEC.md 3).
+    """Pre-shuffles a weight into the tile layout AITER's MoE kernels read (docs/SPEC.md §3).
 
     Bit-exact with AITER's ``shuffle_weight(w, layout)``. For every leading index, rows form
     bands of ``layout[0]`` (16) rows; inside a band the 16-byte chunks of each chunk column

@@ -1,4 +1,4 @@
-"""Routing configurations of public MoE models (SPEC.md section 1), by name.
+"""Routing configurations of public MoE models (docs/SPEC.md §1), by name.
 
 Each preset gives the keyword arguments of :func:`moeext.biased_grouped_topk` beyond the
 tensors, plus ``num_experts`` and whether the model has a correction bias.

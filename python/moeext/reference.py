@@ -74,7 +74,7 @@ def routing_scores(
     correction_bias: Optional[torch.Tensor],
     scoring_func: str = "sigmoid",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Steps 1-2 of SPEC section 1: ``(s, b)`` in fp32, NaN in ``b`` replaced by -inf."""
+    """Steps 1-2 of docs/SPEC.md §1: ``(s, b)`` in fp32, NaN in ``b`` replaced by -inf."""
     s = _score(gating_output.float(), scoring_func)
     b = s + correction_bias.float() if correction_bias is not None else s
     return s, _nan_to_neg_inf(b)
@@ -90,7 +90,7 @@ def biased_grouped_topk(
     routed_scaling_factor: float = 1.0,
     scoring_func: str = "sigmoid",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Reference for ``moeext.biased_grouped_topk`` (SPEC.md section 1)."""
+    """Reference for ``moeext.biased_grouped_topk`` (docs/SPEC.md §1)."""
     num_tokens, num_experts = gating_output.shape
     group_size = num_experts // num_expert_group
     s, b = routing_scores(gating_output, correction_bias, scoring_func)
@@ -129,7 +129,7 @@ def router_gemm(
     weight: torch.Tensor,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Reference for ``moeext.router_gemm`` (SPEC.md section 2).
+    """Reference for ``moeext.router_gemm`` (docs/SPEC.md §2).
 
     The exact product, computed in fp64 and rounded once to ``out_dtype`` (float32 if None).
     A kernel accumulating in fp32 differs from it by its accumulation error only; the tests
@@ -167,7 +167,7 @@ def unpack_router_weight(packed: torch.Tensor, hidden_size: int) -> torch.Tensor
 
 
 def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:
-    """Reference for ``moeext.zero_tail_`` (SPEC.md section 4)."""
+    """Reference for ``moeext.zero_tail_`` (docs/SPEC.md §4)."""
     for name, extent in (("new_extent", new_extent), ("prev_extent", prev_extent)):
         if extent < 0:
             raise RuntimeError(f"zero_tail_: {name} must be >= 0, got {extent}")
@@ -184,7 +184,7 @@ def zero_tail_tracked_(buf: torch.Tensor, state: torch.Tensor, new_extent: int) 
     state.fill_(new_extent)
 
 
-# --- MXFP4 weight preparation (SPEC section 3) -------------------------------------------
+# --- MXFP4 weight preparation (docs/SPEC.md §3) ------------------------------------------
 # Written as views and permutes of the byte (or 16-bit) storage, the way AITER writes them:
 # fp4/fp8 storage types have no copy kernels of their own in every torch.
 
