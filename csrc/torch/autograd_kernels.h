@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -18,6 +19,9 @@ namespace moeext::torch_glue {
 // ops skip them: writing one outside inference mode stays allowed.
 inline void bump_version_of_written(const at::Tensor& t) {
   if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+inline void bump_version_of_written(const std::optional<at::Tensor>& t) {
+  if (t.has_value()) bump_version_of_written(*t);
 }
 
 template <typename Signature>

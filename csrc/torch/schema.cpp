@@ -4,16 +4,25 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(moeext, m) {
+  // The routing options of docs/SPEC.md section 6 follow scoring_func in both forms.
   m.def(
       "biased_grouped_topk(Tensor gating_output, Tensor? correction_bias, "
       "int num_expert_group, int topk_group, int topk, bool renormalize=True, "
-      "float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\") "
+      "float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\", "
+      "int num_fused_shared_experts=0, float shared_expert_weight=1.0, "
+      "Tensor? expert_map=None, Tensor(c!)? expert_counts=None, "
+      "Tensor(d!)? routed_experts=None, Tensor? num_valid_tokens=None) "
       "-> (Tensor topk_weights, Tensor topk_ids)");
   m.def(
       "biased_grouped_topk_out(Tensor gating_output, Tensor? correction_bias, "
       "Tensor(a!) topk_weights, Tensor(b!) topk_ids, int num_expert_group, int topk_group, "
-      "bool renormalize=True, float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\") "
-      "-> ()");
+      "bool renormalize=True, float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\", "
+      "int num_fused_shared_experts=0, float shared_expert_weight=1.0, "
+      "Tensor? expert_map=None, Tensor(c!)? expert_counts=None, "
+      "Tensor(d!)? routed_experts=None, Tensor? num_valid_tokens=None) -> ()");
+  m.def(
+      "routing_weights(Tensor gating_output, Tensor topk_ids, bool renormalize=True, "
+      "float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\") -> Tensor");
   m.def(
       "router_gemm(Tensor hidden_states, Tensor weight, ScalarType? out_dtype=None) -> Tensor");
   // SymInt: an extent is usually a batch size, which torch.compile keeps symbolic; an int

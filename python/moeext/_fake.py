@@ -76,26 +76,80 @@ def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, to
                  _message("routing.scoring_func", op=op, scoring_func=scoring_func))
 
 
+def _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map,
+                   expert_counts, routed_experts, num_valid_tokens):
+    num_tokens, num_experts = gating_output.shape
+    if expert_map is not None:
+        size = num_experts + num_fused_shared_experts
+        _check_shape(expert_map, (size,),
+                     _message("routing.expert_map", op=op, size=size, dtype=expert_map.dtype,
+                              shape=list(expert_map.shape)))
+        torch._check(expert_map.dtype == torch.int32,
+                     _message("routing.expert_map", op=op, size=size, dtype=expert_map.dtype,
+                              shape=list(expert_map.shape)))
+        _check_same_device(op, "expert_map", expert_map, "gating_output", gating_output)
+    if expert_counts is not None:
+        message = _message("routing.expert_counts", op=op, num_experts=num_experts,
+                           dtype=expert_counts.dtype, shape=list(expert_counts.shape))
+        torch._check(expert_counts.dtype in (torch.int32, torch.int64), message)
+        _check_shape(expert_counts, (num_experts,), message)
+        _check_same_device(op, "expert_counts", expert_counts, "gating_output", gating_output)
+    if routed_experts is not None:
+        message = _message("routing.routed_experts", op=op, topk=topk, num_tokens=num_tokens,
+                           dtype=routed_experts.dtype, shape=list(routed_experts.shape))
+        torch._check(routed_experts.dtype in (torch.int16, torch.int32), message)
+        torch._check(routed_experts.dim() == 2, message)
+        torch._check(routed_experts.shape[0] >= num_tokens, message)
+        torch._check(routed_experts.shape[1] == topk, message)
+        torch._check(routed_experts.dtype != torch.int16 or num_experts <= 32767,
+                     _message("routing.routed_experts_int16", op=op, num_experts=num_experts))
+        _check_same_device(op, "routed_experts", routed_experts, "gating_output", gating_output)
+    if num_valid_tokens is not None:
+        torch._check(num_valid_tokens.dtype in (torch.int32, torch.int64)
+                     and num_valid_tokens.numel() == 1,
+                     _message("routing.num_valid_tokens", op=op, dtype=num_valid_tokens.dtype,
+                              numel=num_valid_tokens.numel()))
+        _check_same_device(op, "num_valid_tokens", num_valid_tokens, "gating_output",
+                           gating_output)
+
+
 @torch.library.register_fake("moeext::biased_grouped_topk")
 def _biased_grouped_topk_fake(gating_output, correction_bias, num_expert_group, topk_group,
                               topk, renormalize=True, routed_scaling_factor=1.0,
-                              scoring_func="sigmoid"):
-    _check_grouped_topk("biased_grouped_topk", gating_output, correction_bias,
-                        num_expert_group, topk_group, topk, scoring_func)
+                              scoring_func="sigmoid", num_fused_shared_experts=0,
+                              shared_expert_weight=1.0, expert_map=None, expert_counts=None,
+                              routed_experts=None, num_valid_tokens=None):
+    op = "biased_grouped_topk"
+    _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group, topk,
+                        scoring_func)
+    torch._check(num_fused_shared_experts >= 0, _message(
+        "routing.num_fused_shared_experts", op=op, shared=num_fused_shared_experts))
+    _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map,
+                   expert_counts, routed_experts, num_valid_tokens)
     num_tokens = gating_output.shape[0]
-    weights = gating_output.new_empty((num_tokens, topk), dtype=torch.float32)
-    ids = gating_output.new_empty((num_tokens, topk), dtype=torch.int32)
+    columns = topk + num_fused_shared_experts
+    weights = gating_output.new_empty((num_tokens, columns), dtype=torch.float32)
+    ids = gating_output.new_empty((num_tokens, columns), dtype=torch.int32)
     return weights, ids
 
 
 @torch.library.register_fake("moeext::biased_grouped_topk_out")
 def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, topk_ids,
                                   num_expert_group, topk_group, renormalize=True,
-                                  routed_scaling_factor=1.0, scoring_func="sigmoid"):
+                                  routed_scaling_factor=1.0, scoring_func="sigmoid",
+                                  num_fused_shared_experts=0, shared_expert_weight=1.0,
+                                  expert_map=None, expert_counts=None, routed_experts=None,
+                                  num_valid_tokens=None):
     op = "biased_grouped_topk_out"
     torch._check(topk_ids.dim() == 2,
                  _message("routing.output_rank", op=op, arg="topk_ids", dim=topk_ids.dim()))
-    topk = topk_ids.shape[1]
+    torch._check(num_fused_shared_experts >= 0, _message(
+        "routing.num_fused_shared_experts", op=op, shared=num_fused_shared_experts))
+    columns = topk_ids.shape[1]
+    topk = columns - num_fused_shared_experts
+    torch._check(num_fused_shared_experts == 0 or topk >= 1,
+                 _message("routing.out_columns", op=op, columns=columns,
+                          shared=num_fused_shared_experts))
     _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group, topk,
                         scoring_func)
     for arg, out, dtype in (("topk_weights", topk_weights, torch.float32),
@@ -105,11 +159,33 @@ def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, 
         torch._check(out.dtype == dtype, _message("routing.output_dtype", op=op, arg=arg,
                                                   expected=dtype, dtype=out.dtype))
         _check_same_device(op, arg, out, "gating_output", gating_output)
-        _check_shape(out, (gating_output.shape[0], topk),
+        _check_shape(out, (gating_output.shape[0], columns),
                      _message("routing.output_shape", op=op, arg=arg,
-                              num_tokens=gating_output.shape[0], topk=topk,
+                              num_tokens=gating_output.shape[0], columns=columns,
                               shape=list(out.shape)))
+    _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map,
+                   expert_counts, routed_experts, num_valid_tokens)
     return None
+
+
+@torch.library.register_fake("moeext::routing_weights")
+def _routing_weights_fake(gating_output, topk_ids, renormalize=True, routed_scaling_factor=1.0,
+                          scoring_func="sigmoid"):
+    op = "routing_weights"
+    torch._check(gating_output.dim() == 2,
+                 _message("routing.gating_output_rank", op=op, shape=list(gating_output.shape)))
+    _check_float_dtype(op, "gating_output", gating_output)
+    torch._check(topk_ids.dim() == 2 and topk_ids.dtype in (torch.int16, torch.int32,
+                                                            torch.int64),
+                 _message("routing_weights.ids", op=op, num_tokens=gating_output.shape[0],
+                          dtype=topk_ids.dtype, shape=list(topk_ids.shape)))
+    _check_shape(topk_ids, (gating_output.shape[0], topk_ids.shape[1]),
+                 _message("routing_weights.ids", op=op, num_tokens=gating_output.shape[0],
+                          dtype=topk_ids.dtype, shape=list(topk_ids.shape)))
+    _check_same_device(op, "topk_ids", topk_ids, "gating_output", gating_output)
+    torch._check(scoring_func in _SCORING_FUNCS,
+                 _message("routing.scoring_func", op=op, scoring_func=scoring_func))
+    return gating_output.new_empty(topk_ids.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("moeext::router_gemm")

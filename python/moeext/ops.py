@@ -25,6 +25,7 @@ _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _call_biased_grouped_topk = _C.call_biased_grouped_topk
 _call_biased_grouped_topk_out = _C.call_biased_grouped_topk_out
 _call_router_gemm = _C.call_router_gemm
+_call_routing_weights = _C.call_routing_weights
 _call_zero_tail = _C.call_zero_tail
 _call_zero_tail_tracked = _C.call_zero_tail_tracked
 
@@ -45,6 +46,7 @@ __all__ = [
     "cpu_isa",
     "prepack_router_weight",
     "router_gemm",
+    "routing_weights",
     "set_cpu_isa",
     "zero_tail_",
     "zero_tail_tracked_",
@@ -64,8 +66,15 @@ def biased_grouped_topk(
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Biased grouped top-k routing (DeepSeek-V3 style), docs/SPEC.md §1.
+    """Biased grouped top-k routing (DeepSeek-V3 style), docs/SPEC.md §1, with the engine
+    options of docs/SPEC.md §6.
 
     For each token, with every value in fp32:
 
@@ -92,9 +101,27 @@ def biased_grouped_topk(
         routed_scaling_factor: multiplies every weight (after renormalisation).
         scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
 
+    Options (docs/SPEC.md §6; each absent by default, and then free):
+        num_fused_shared_experts: ``S`` shared experts appended to every row: columns
+            ``topk + j`` hold id ``num_experts + j`` and weight ``shared_expert_weight``
+            (written as given: 1.0 where the routed weights carry the scaling factor; an
+            engine that scales the MoE output instead passes ``1 / routed_scaling_factor``).
+        expert_map: int32 ``[num_experts + S]``: every id written is ``expert_map[id]``
+            (global to local for expert parallelism, -1 for an expert held elsewhere).
+            Selection, order and ties are decided on the logical ids first.
+        expert_counts: int32 or int64 ``[num_experts]``, added to in place: +1 per routed
+            logical id of every counted row (never the shared ones). The caller zeroes it.
+        routed_experts: int16 or int32 ``[R, topk]``, ``R >= num_tokens`` (a buffer sized for
+            the largest batch): row t receives row t's routed logical ids in output order,
+            before the map, without shared experts (a record to replay with
+            :func:`routing_weights`). int16 needs ``num_experts <= 32767``.
+        num_valid_tokens: int32 or int64, one element on the logits' device (a captured CUDA
+            graph reads it at replay): rows at or past it are routed but neither counted nor
+            recorded (a negative value counts none). Absent: every row counts.
+
     Returns:
-        ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` float32 and int32, each row in
-        descending ``b`` order (ties by lower id).
+        ``(topk_weights, topk_ids)``: ``[num_tokens, topk + S]`` float32 and int32, each row in
+        descending ``b`` order (ties by lower id), then the shared experts.
 
     Gradients: where ``gating_output`` requires grad (and grad mode is on), ``topk_weights``
     is differentiable in the logits: the derivative of steps 1 and 5 at the chosen ids (of
@@ -122,6 +149,12 @@ def biased_grouped_topk(
             renormalize,
             routed_scaling_factor,
             scoring_func,
+            num_fused_shared_experts,
+            shared_expert_weight,
+            expert_map,
+            expert_counts,
+            routed_experts,
+            num_valid_tokens,
         )
         if out is not NotImplemented:
             return out
@@ -135,6 +168,12 @@ def biased_grouped_topk(
         renormalize,
         routed_scaling_factor,
         scoring_func,
+        num_fused_shared_experts,
+        shared_expert_weight,
+        expert_map,
+        expert_counts,
+        routed_experts,
+        num_valid_tokens,
     )
 
 
@@ -148,15 +187,23 @@ def biased_grouped_topk_out(
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
 ) -> None:
-    """In-place form of :func:`biased_grouped_topk` writing into preallocated outputs.
+    """In-place form of :func:`biased_grouped_topk` writing into preallocated outputs, with
+    the same options.
 
-    ``topk`` is ``topk_ids.size(1)``. ``topk_weights`` (float32) and ``topk_ids`` (int32)
-    are ``[num_tokens, topk]`` with contiguous columns and any row stride, e.g. the first
-    ``topk`` columns of a wider persistent buffer whose other columns hold shared experts:
-    nothing outside the ``[num_tokens, topk]`` views is written. The outputs must not share
-    memory with the logits, the bias, each other or themselves (views side by side in one
-    workspace are fine). On invalid arguments nothing is written at all.
+    ``topk`` is ``topk_ids.size(1) - num_fused_shared_experts``. ``topk_weights`` (float32)
+    and ``topk_ids`` (int32) are ``[num_tokens, topk + S]`` with contiguous columns and any
+    row stride, e.g. the first columns of a wider persistent buffer: nothing outside the
+    views is written. What the call writes (the outputs, ``expert_counts``,
+    ``routed_experts``) must not share memory with what it reads, with each other or with
+    itself (views side by side in one workspace are fine). On invalid arguments nothing is
+    written at all.
 
     Records no gradient: in grad mode, a ``gating_output`` or ``topk_weights`` that requires
     grad raises RuntimeError before anything is written, as torch's ``out=`` ops raise (use
@@ -174,6 +221,12 @@ def biased_grouped_topk_out(
             renormalize,
             routed_scaling_factor,
             scoring_func,
+            num_fused_shared_experts,
+            shared_expert_weight,
+            expert_map,
+            expert_counts,
+            routed_experts,
+            num_valid_tokens,
         )
         if out is not NotImplemented:
             return
@@ -189,7 +242,55 @@ def biased_grouped_topk_out(
         renormalize,
         routed_scaling_factor,
         scoring_func,
+        num_fused_shared_experts,
+        shared_expert_weight,
+        expert_map,
+        expert_counts,
+        routed_experts,
+        num_valid_tokens,
     )
+
+
+def routing_weights(
+    gating_output: torch.Tensor,
+    topk_ids: torch.Tensor,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+) -> torch.Tensor:
+    """The weights routing gives the experts ``topk_ids`` from these logits (docs/SPEC.md
+    §6.6): replay of a recorded routing, with the gradient a trainer needs.
+
+    Steps 6 and 7 of :func:`biased_grouped_topk` at given ids: the experts' scores ``s``
+    (softmax over the whole row), NaN as 0, divided by their sum + 1e-20 if ``renormalize``,
+    times ``routed_scaling_factor``. Given the ids routing chose, in its order, the weights
+    are routing's own, bit for bit, on the same device (and CPU path).
+
+    Args:
+        gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16, any strides.
+        topk_ids: ``[num_tokens, k]`` int16, int32 or int64 (a ``routed_experts`` record
+            included), each row ``k`` distinct ids in ``[0, num_experts)``; any strides.
+        renormalize, routed_scaling_factor, scoring_func: as in :func:`biased_grouped_topk`.
+
+    Returns:
+        float32 ``[num_tokens, k]``, in the ids' column order. Where ``gating_output``
+        requires grad (in grad mode), differentiable in it, as :func:`biased_grouped_topk`'s
+        weights are.
+
+    Raises:
+        RuntimeError: naming the argument, for a shape, dtype or device outside the contract,
+        and on the CPU for an id out of range or repeated in its row (nothing is written).
+        A GPU checks the ids where they are, without a host synchronisation (so a CUDA graph
+        can capture the call): a row holding such an id gets NaN weights, and so a NaN loss.
+    """
+    if not _is_scripting() and not _is_dynamo_compiling():
+        out = _call_routing_weights(gating_output, topk_ids, renormalize, routed_scaling_factor,
+                                    scoring_func)
+        if out is not NotImplemented:
+            return out
+        _check_tensors("routing_weights", gating_output=gating_output, topk_ids=topk_ids)
+    return torch.ops.moeext.routing_weights(gating_output, topk_ids, renormalize,
+                                            routed_scaling_factor, scoring_func)
 
 
 def router_gemm(

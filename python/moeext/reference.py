@@ -9,7 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["biased_grouped_topk", "router_gemm", "is_prepacked_router_weight",
+__all__ = ["biased_grouped_topk", "apply_routing_options", "routing_weights", "router_gemm",
+           "is_prepacked_router_weight",
            "unpack_router_weight", "routing_scores",
            "SCORING_FUNCS", "zero_tail_", "zero_tail_tracked_", "shuffle_weight",
            "unshuffle_weight", "e8m0_shuffle", "e8m0_unshuffle"]
@@ -89,8 +90,59 @@ def biased_grouped_topk(
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Reference for ``moeext.biased_grouped_topk`` (docs/SPEC.md §1)."""
+    """Reference for ``moeext.biased_grouped_topk`` (docs/SPEC.md §1, and §6 for the options
+    after ``scoring_func``, which :func:`apply_routing_options` applies)."""
+    weights, ids = _route(gating_output, correction_bias, num_expert_group, topk_group, topk,
+                          renormalize, routed_scaling_factor, scoring_func)
+    return apply_routing_options(weights, ids, gating_output.shape[1], num_fused_shared_experts,
+                                 shared_expert_weight, expert_map, expert_counts,
+                                 routed_experts, num_valid_tokens)
+
+
+def apply_routing_options(
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """docs/SPEC.md §6 on a routed choice ``(weights, ids)`` ``[T, topk]``: records and counts
+    the logical ids of the valid rows (``expert_counts`` and ``routed_experts`` are written in
+    place), appends the shared experts' columns, then maps every id through ``expert_map``."""
+    num_tokens = ids.shape[0]
+    valid = num_tokens
+    if num_valid_tokens is not None:  # a negative count counts no row, as a device reads it
+        valid = min(max(int(num_valid_tokens.reshape(-1)[0]), 0), num_tokens)
+    if routed_experts is not None:
+        routed_experts[:valid] = ids[:valid].to(routed_experts.dtype)
+    if expert_counts is not None:
+        counted = torch.bincount(ids[:valid].reshape(-1).long(), minlength=num_experts)
+        expert_counts += counted.to(expert_counts.device, expert_counts.dtype)
+    if num_fused_shared_experts > 0:
+        shared = torch.arange(num_experts, num_experts + num_fused_shared_experts,
+                              dtype=ids.dtype, device=ids.device)
+        ids = torch.cat([ids, shared.expand(num_tokens, -1)], dim=1)
+        weights = torch.cat([weights, torch.full((num_tokens, num_fused_shared_experts),
+                                                 shared_expert_weight, dtype=weights.dtype,
+                                                 device=weights.device)], dim=1)
+    if expert_map is not None:
+        ids = expert_map.to(ids.device)[ids.long()].to(ids.dtype)
+    return weights, ids
+
+
+def _route(gating_output, correction_bias, num_expert_group, topk_group, topk, renormalize,
+           routed_scaling_factor, scoring_func):
     num_tokens, num_experts = gating_output.shape
     group_size = num_experts // num_expert_group
     s, b = routing_scores(gating_output, correction_bias, scoring_func)
@@ -116,12 +168,31 @@ def biased_grouped_topk(
                             descending=True, stable=True).indices
     ids = by_value.gather(1, kept_first)[:, :topk]
 
-    weights = s.gather(1, ids)
+    return _weights_of(s, ids, renormalize, routed_scaling_factor), ids.to(torch.int32)
+
+
+def _weights_of(s, ids, renormalize, routed_scaling_factor):
+    """Steps 6 and 7 of docs/SPEC.md §1: the scores of the chosen ids, NaN as 0, renormalised
+    and scaled."""
+    weights = s.gather(1, ids.long())
     weights = torch.where(torch.isnan(weights), torch.zeros_like(weights), weights)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * routed_scaling_factor
-    return weights, ids.to(torch.int32)
+    return weights * routed_scaling_factor
+
+
+def routing_weights(
+    gating_output: torch.Tensor,
+    topk_ids: torch.Tensor,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+) -> torch.Tensor:
+    """Reference for ``moeext.routing_weights`` (docs/SPEC.md §6.6): the weights routing gives
+    the experts ``topk_ids`` ``[T, k]`` from these logits, in the ids' column order, with
+    autograd's derivative in the logits."""
+    s = _score(gating_output.float(), scoring_func)
+    return _weights_of(s, topk_ids, renormalize, routed_scaling_factor)
 
 
 def router_gemm(

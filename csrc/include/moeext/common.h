@@ -20,11 +20,15 @@ namespace moeext {
 // params or a device it does not take (nothing is launched then).
 using GpuError = const char*;
 
-// The element types a kernel may be asked to read. The bindings map torch dtypes onto these.
+// The element types a kernel may be asked to read or write. The bindings map torch dtypes onto
+// these.
 enum class DType : int8_t {
   kFloat32,
   kBFloat16,
   kFloat16,
+  kInt16,
+  kInt32,
+  kInt64,
 };
 
 // Instruction-set paths of the CPU kernels, best last. kAuto means "the best this CPU runs".

@@ -14,6 +14,35 @@ enum class ScoringFunc : int8_t {
   kSoftmax,
 };
 
+// What engines do with a routed choice, done by the routing call itself (docs/SPEC.md §6). A
+// plain call leaves every field unset. Strides in elements.
+struct RoutingOptions {
+  // Columns [topk, topk + S) of both outputs: id num_experts + j, weight shared_expert_weight.
+  int64_t num_shared_experts = 0;
+  float shared_expert_weight = 1.0f;
+  // [num_experts + S]: every id written to topk_ids is expert_map[id].
+  const int32_t* expert_map = nullptr;
+  int64_t map_stride = 1;
+  // [num_experts], kInt32 or kInt64: += 1 per routed logical id of every counted row.
+  void* expert_counts = nullptr;
+  DType counts_dtype = DType::kInt32;
+  int64_t counts_stride = 1;
+  // [>= num_tokens, topk], kInt16 or kInt32: row t gets row t's routed logical ids (columns
+  // contiguous).
+  void* routed_experts = nullptr;
+  DType routed_dtype = DType::kInt32;
+  int64_t routed_row_stride = 0;
+  // One kInt32 or kInt64 in the kernels' memory: rows at or past it are neither counted nor
+  // recorded (a negative value counts no row). Unset: every row counts.
+  const void* num_valid_tokens = nullptr;
+  DType valid_dtype = DType::kInt64;
+
+  bool any() const {
+    return num_shared_experts > 0 || expert_map != nullptr || expert_counts != nullptr ||
+           routed_experts != nullptr;
+  }
+};
+
 // All strides are in elements. The caller has validated the topology
 // (num_experts % num_expert_group == 0, 1 <= topk_group <= num_expert_group,
 // 1 <= topk <= topk_group * num_experts / num_expert_group).
@@ -27,9 +56,9 @@ struct BiasedGroupedTopkParams {
   DType bias_dtype = DType::kFloat32;
   int64_t bias_stride = 1;
 
-  float* topk_weights = nullptr;  // [num_tokens, topk], columns contiguous
+  float* topk_weights = nullptr;  // [num_tokens, topk + S], columns contiguous
   int64_t weights_row_stride = 0;
-  int32_t* topk_ids = nullptr;  // [num_tokens, topk], columns contiguous
+  int32_t* topk_ids = nullptr;  // [num_tokens, topk + S], columns contiguous
   int64_t ids_row_stride = 0;
 
   int64_t num_tokens = 0;
@@ -40,7 +69,39 @@ struct BiasedGroupedTopkParams {
   bool renormalize = true;
   float routed_scaling_factor = 1.0f;
   ScoringFunc scoring_func = ScoringFunc::kSigmoid;
+  RoutingOptions options;
 };
+
+// routing_weights (docs/SPEC.md §6.6): the weights routing gives given experts. Strides in
+// elements.
+struct RoutingWeightsParams {
+  const void* gating_output = nullptr;  // [num_tokens, num_experts]
+  DType gating_dtype = DType::kFloat32;
+  int64_t gating_row_stride = 0;
+  int64_t gating_col_stride = 1;
+  const void* topk_ids = nullptr;  // [num_tokens, k], kInt16, kInt32 or kInt64
+  DType ids_dtype = DType::kInt32;
+  int64_t ids_row_stride = 0;
+  int64_t ids_col_stride = 1;
+  float* topk_weights = nullptr;  // [num_tokens, k], columns contiguous
+  int64_t weights_row_stride = 0;
+  int64_t num_tokens = 0;
+  int64_t num_experts = 0;
+  int64_t k = 0;
+  bool renormalize = true;
+  float routed_scaling_factor = 1.0f;
+  ScoringFunc scoring_func = ScoringFunc::kSigmoid;
+};
+
+// The first row in [row_begin, row_end) holding an id outside [0, num_experts) or the same
+// id twice, or -1. Reads the ids only.
+int64_t routing_weights_cpu_invalid_row(const RoutingWeightsParams& params, int64_t row_begin,
+                                        int64_t row_end);
+// The weights of rows [row_begin, row_end) (ids checked) on the CPU path cpu_isa_active():
+// bit for bit the weights biased_grouped_topk_cpu writes for the same ids in the same order.
+void routing_weights_cpu(const RoutingWeightsParams& params, int64_t row_begin, int64_t row_end);
+// Every row on the GPU; a row holding an invalid id gets NaN weights (no host round trip).
+GpuError routing_weights_gpu(const RoutingWeightsParams& params, void* stream);
 
 // Routes tokens [row_begin, row_end) on the CPU path cpu_isa_active(). Runs on the calling
 // thread: callers split the rows over their own thread pool.
