@@ -1,6 +1,6 @@
 // Biased grouped top-k routing on NVIDIA and AMD GPUs (SPEC.md section 1); builds as CUDA and
 // as HIP. The tie rule, the NaN policy and the weight arithmetic are the CPU kernel's
-// (csrc/cpu/grouped_topk.cpp), through the shared functions of grouped_topk_logic.h.
+// (csrc/cpu/grouped_topk.cpp), through the shared functions of host_device/routing.h.
 //
 // Two kernels, picked per topology by plan_fast_path():
 //   * warp kernel (E <= 512, topk <= 32, num_expert_group <= 32): one token per warp, each
@@ -20,11 +20,30 @@
 #include <type_traits>
 
 #include "gpu/compat.h"
-#include "gpu/grouped_topk_logic.h"
+#include "gpu/grouped_topk_plan.h"
+#include "host_device/routing.h"
 #include "moeext/grouped_topk.h"
 
 namespace moeext {
 namespace gpu::grouped_topk {
+
+// The routing logic the CPU kernel shares (key packing, group scores, weights, NaN policy).
+using host_device::finalize_weight;
+using host_device::group_score;
+using host_device::is_nan;
+using host_device::key_from_ordered;
+using host_device::key_index;
+using host_device::kRemovedKey;
+using host_device::make_key;
+using host_device::nan_to_neg_inf;
+using host_device::neg_inf;
+using host_device::ordered_bits;
+using host_device::Top2;
+using host_device::top2_empty;
+using host_device::top2_merge;
+using host_device::top2_push;
+using host_device::weight_of_score;
+
 namespace {
 
 struct NoBias {};
