@@ -59,10 +59,9 @@ __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int
   return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
 #else
   // Each lane's largest value and the first expert holding it, as one key (key_from_ordered:
-  // the larger key is the lower expert on a tie), and one butterfly over the keys.
-  // Forced on an H100, routing calls took 0.87-0.98x the time (T <= 1024) they took with a
-  // 32-bit butterfly for the value followed by a ballot and a shuffle for its holder, one
-  // more dependent round trip; at T = 16384, 0.92-0.96x, but 1.02x at 12 experts a lane.
+  // the larger key is the lower expert on a tie), and one butterfly over the keys: one
+  // dependent round trip fewer than a value butterfly, then a ballot and a shuffle for its
+  // holder, and faster (docs/notes/gpu-kernels.md).
   const uint32_t lane_best = lane_max<0, V>(value);
   const uint32_t lane_first = first_holding(value, first, lane_best, uint32_t(first));
   return key_index(butterfly_max<kWarpSize>(key_from_ordered(lane_best, lane_first)));
