@@ -13,10 +13,13 @@
 #define MOEEXT_E8M0_AVX2 1
 #endif
 
+#include "host_device/shuffle_maps.h"
 #include "moeext/mxfp4_shuffle.h"
 
 namespace moeext {
 namespace {
+
+using host_device::gate_up_source_row;
 
 constexpr int64_t kChunk = 16;
 constexpr uint8_t kPadScale = 0x7F;  // 2^0: AITER leaves pad scales uninitialised; 1.0 is never NaN
