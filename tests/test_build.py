@@ -102,7 +102,9 @@ def test_registered_backends_match_build_info():
 
 def test_every_gpu_source_is_built():
     cmake = (ROOT / "CMakeLists.txt").read_text()
-    for source in sorted((ROOT / "csrc" / "cuda").glob("*.cu")):
+    sources = sorted((ROOT / "csrc" / "gpu").glob("*.cu"))
+    assert sources  # the folder exists: a renamed one made this test check nothing
+    for source in sources:
         assert f"csrc/gpu/{source.name}" in cmake, f"{source.name} is not in MOEEXT_GPU_KERNELS"
 
 

@@ -13,12 +13,20 @@
 #define MOEEXT_E8M0_AVX2 1
 #endif
 
+#include "host_device/shuffle_maps.h"
 #include "moeext/mxfp4_shuffle.h"
 
 namespace moeext {
 namespace {
 
-constexpr int64_t kChunk = 16;
+using host_device::E8m0TilePosition;
+using host_device::e8m0_block_offset;
+using host_device::e8m0_tile_position;
+using host_device::gate_up_source_row;
+using host_device::kE8m0BlockBytes;
+using host_device::kShuffleChunkBytes;
+using host_device::shuffled_chunk_index;
+
 constexpr uint8_t kPadScale = 0x7F;  // 2^0: AITER leaves pad scales uninitialised; 1.0 is never NaN
 
 // One band of band rows: all its band x 16-byte tiles. kShuffle picks the copy direction.
@@ -27,9 +35,8 @@ void move_band(const ShuffleWeightParams& p, int64_t band_index) {
   const int64_t bands_per_batch = p.rows / p.band;
   const int64_t b = band_index / bands_per_batch;
   const int64_t n0 = band_index % bands_per_batch;
-  const int64_t chunks = p.row_bytes / kChunk;
-  unsigned char* shuffled = static_cast<unsigned char*>(p.shuffled) +
-                            (b * p.rows + n0 * p.band) * p.row_bytes;
+  const int64_t chunks = p.row_bytes / kShuffleChunkBytes;
+  unsigned char* const shuffled = static_cast<unsigned char*>(p.shuffled);
   // Pointers to the band's logical rows, resolved once (gate/up interleave included).
   unsigned char* rows[kMaxShuffleBand];
   for (int64_t n1 = 0; n1 < p.band; ++n1) {
@@ -38,29 +45,36 @@ void move_band(const ShuffleWeightParams& p, int64_t band_index) {
     rows[n1] = const_cast<unsigned char*>(static_cast<const unsigned char*>(p.logical)) +
                b * p.logical_batch_stride + src_row * p.logical_row_stride;
   }
+  // The sizes as locals: the copies may write anywhere, p included as far as the compiler
+  // knows, and re-reading them each chunk kept the index from reducing to an increment.
+  const int64_t band = p.band;
+  const int64_t logical_rows = p.rows;
   for (int64_t kc = 0; kc < chunks; ++kc) {
-    for (int64_t n1 = 0; n1 < p.band; ++n1) {
-      unsigned char* tile = shuffled + (kc * p.band + n1) * kChunk;
-      unsigned char* row = rows[n1] + kc * kChunk;
+    for (int64_t n1 = 0; n1 < band; ++n1) {
+      unsigned char* tile =
+          shuffled +
+          shuffled_chunk_index(b, n0, n1, kc, logical_rows, chunks, band) * kShuffleChunkBytes;
+      unsigned char* row = rows[n1] + kc * kShuffleChunkBytes;
       if constexpr (kShuffle) {
-        std::memcpy(tile, row, kChunk);
+        std::memcpy(tile, row, kShuffleChunkBytes);
       } else {
-        std::memcpy(row, tile, kChunk);
+        std::memcpy(row, tile, kShuffleChunkBytes);
       }
     }
   }
 }
 
-// Inside one 32-row x 8-column group (a 256-byte tile, row i = h*16 + c4, column
-// j = e*4 + f), shuffled byte q = f*64 + c4*4 + e*2 + h comes from tile byte i*8 + j.
+// Shuffled byte q of a block comes from byte row * 8 + col of its 32 x 8 tile (row-major),
+// as a table: e8m0_tile_position's map, used where no vector permutation below applies.
+// In SPEC's terms row i = h*16 + c4 and column j = e*4 + f, for q = f*64 + c4*4 + e*2 + h.
 struct TileSource {
-  uint8_t index[256];
+  uint8_t index[kE8m0BlockBytes];
 };
 constexpr TileSource make_tile_source() {
   TileSource t{};
-  for (int q = 0; q < 256; ++q) {
-    const int f = q / 64, c4 = (q / 4) % 16, e = (q / 2) % 2, h = q % 2;
-    t.index[q] = uint8_t((h * 16 + c4) * 8 + e * 4 + f);
+  for (int q = 0; q < kE8m0BlockBytes; ++q) {
+    const E8m0TilePosition position = e8m0_tile_position(q);
+    t.index[q] = uint8_t(position.row * 8 + position.col);
   }
   return t;
 }
@@ -101,7 +115,7 @@ inline void permute_tile(const uint8_t* const* rows, uint8_t* out) {
     store_word_group(q, out, g);
   }
 #else
-  for (int q = 0; q < 256; ++q) {
+  for (int q = 0; q < kE8m0BlockBytes; ++q) {
     const int i = kTileSource.index[q] / 8, j = kTileSource.index[q] % 8;
     out[q] = rows[i][j];
   }
@@ -213,7 +227,7 @@ inline void permute_strided_tiles(const uint8_t* top, const uint8_t* bottom, int
 #if MOEEXT_E8M0_AVX2
   if (cpu_isa_active() != CpuIsa::kPortable) {
     d = permute_strided_tiles_avx2(top, bottom, row_stride, tiles, out, prefetch, stream);
-    out += d * 256;
+    out += d * kE8m0BlockBytes;
   }
 #else
   (void)stream;
@@ -237,7 +251,7 @@ inline void permute_strided_tiles(const uint8_t* top, const uint8_t* bottom, int
   (void)next;
   (void)stream;
 #endif
-  for (; d < tiles; ++d, out += 256) {
+  for (; d < tiles; ++d, out += kE8m0BlockBytes) {
     const uint8_t* rows[32];
     for (int64_t c4 = 0; c4 < 16; ++c4) {
       rows[c4] = top + c4 * row_stride + d * 8;
@@ -276,7 +290,8 @@ void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t b
       const int64_t src = scale_source_row(p, a * 32 + i);
       src_rows[i] = src < 0 ? nullptr : p.scale + src * p.row_stride;
     }
-    uint8_t* out = p.shuffled + a * 32 * p.padded_n;
+    // Blocks (a, 0), (a, 1), ... follow each other.
+    uint8_t* out = p.shuffled + e8m0_block_offset(a, 0, p.padded_n);
     bool all_rows = true;
     bool strided_halves = p.col_stride == 1;
     for (int64_t i = 0; i < 32; ++i) {
@@ -295,12 +310,12 @@ void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t b
                 16 * p.row_stride};
       }
       permute_strided_tiles(src_rows[0], src_rows[16], p.row_stride, d, out, next, stream);
-      out += d * 256;
+      out += d * kE8m0BlockBytes;
     }
-    for (; d < p.padded_n / 8; ++d, out += 256) {
+    for (; d < p.padded_n / 8; ++d, out += kE8m0BlockBytes) {
       const int64_t c0 = d * 8;
       const uint8_t* rows[32];
-      uint8_t tile[256];  // padded copy, only for edge tiles and strided columns
+      uint8_t tile[kE8m0BlockBytes];  // padded copy, only for edge tiles and strided columns
       if (all_rows && c0 + 8 <= p.n && p.col_stride == 1) {
         for (int64_t i = 0; i < 32; ++i) rows[i] = src_rows[i] + c0;
       } else {
@@ -325,15 +340,16 @@ void e8m0_shuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t b
 
 void e8m0_unshuffle_cpu(const E8m0ShuffleParams& p, int64_t block_begin, int64_t block_end) {
   for (int64_t a = block_begin; a < block_end; ++a) {
-    const uint8_t* in = p.shuffled_in + a * 32 * p.padded_n;
+    // Blocks (a, 0), (a, 1), ... follow each other.
+    const uint8_t* in = p.shuffled_in + e8m0_block_offset(a, 0, p.padded_n);
     uint8_t* dst_rows[32];
     for (int64_t i = 0; i < 32; ++i) {
       const int64_t dst = scale_source_row(p, a * 32 + i);
       dst_rows[i] = dst < 0 ? nullptr : p.unshuffled + dst * p.n;
     }
-    for (int64_t d = 0; d < p.padded_n / 8; ++d, in += 256) {
-      uint8_t tile[256];
-      for (int q = 0; q < 256; ++q) tile[kTileSource.index[q]] = in[q];
+    for (int64_t d = 0; d < p.padded_n / 8; ++d, in += kE8m0BlockBytes) {
+      uint8_t tile[kE8m0BlockBytes];
+      for (int q = 0; q < kE8m0BlockBytes; ++q) tile[kTileSource.index[q]] = in[q];
       const int64_t c0 = d * 8;
       const int64_t width = p.n - c0 < 8 ? p.n - c0 : 8;
       for (int64_t i = 0; i < 32; ++i) {

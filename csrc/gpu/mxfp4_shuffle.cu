@@ -1,5 +1,6 @@
 // MXFP4 weight and E8M0 scale shuffles on the GPU (SPEC.md section 3). Pure data movement;
-// the index maps live in shuffle_index.h, where the host test checks them against SPEC.
+// the index maps are the CPU kernels' too (host_device/shuffle_maps.h), where the host test
+// checks them against SPEC.
 //
 // shuffle_weight / unshuffle_weight: a block moves one band (band rows x row_bytes) at a
 // time; its band * (256 / band) threads each keep one row of the band (n1 = tid % band) and
@@ -15,12 +16,23 @@
 // block.
 #include "gpu/access_width.h"
 #include "gpu/compat.h"
-#include "gpu/shuffle_index.h"
+#include "gpu/shuffle_threads.h"
 #include "gpu/vector_access.h"
+#include "host_device/shuffle_maps.h"
 #include "moeext/mxfp4_shuffle.h"
 
 namespace moeext {
 namespace {
+
+using host_device::E8m0TilePosition;
+using host_device::e8m0_col_offset;
+using host_device::e8m0_row_offset;
+using host_device::e8m0_tile_position;
+using host_device::gate_up_interleaved_row;
+using host_device::gate_up_source_row;
+using host_device::kE8m0BlockBytes;
+using host_device::kShuffleChunkBytes;
+using host_device::shuffled_chunk_index;
 
 constexpr int kMaxThreads = 256;
 // Resident blocks per SM the grid-stride launches are capped at.
@@ -42,7 +54,7 @@ unsigned grid_for(int64_t items, int64_t items_per_block) {
 template <bool kShuffle, int kWidth>
 __global__ void __launch_bounds__(kMaxThreads) shuffle_weight_kernel(ShuffleWeightParams p) {
   const int band = int(p.band);
-  const int64_t chunks_per_row = p.row_bytes / gpu::kShuffleChunkBytes;
+  const int64_t chunks_per_row = p.row_bytes / kShuffleChunkBytes;
   const int64_t bands_per_batch = p.rows / p.band;
   const int64_t total_bands = p.batch * bands_per_batch;
   const gpu::ShuffleThreadSlot slot = gpu::shuffle_thread_slot(int(threadIdx.x), band);
@@ -59,10 +71,10 @@ __global__ void __launch_bounds__(kMaxThreads) shuffle_weight_kernel(ShuffleWeig
         logical + b * p.logical_batch_stride + source_row * p.logical_row_stride;
     for (int64_t kc = slot.kc; kc < chunks_per_row; kc += kc_step) {
       unsigned char* tile =
-          shuffled + gpu::shuffled_chunk_index(b, n0, slot.n1, kc, p.rows, chunks_per_row,
-                                               p.band) *
-                         gpu::kShuffleChunkBytes;
-      unsigned char* chunk = row + kc * gpu::kShuffleChunkBytes;
+          shuffled +
+          shuffled_chunk_index(b, n0, slot.n1, kc, p.rows, chunks_per_row, p.band) *
+              kShuffleChunkBytes;
+      unsigned char* chunk = row + kc * kShuffleChunkBytes;
       if constexpr (kShuffle) {
         gpu::copy_bytes<kWidth, 16>(tile, chunk);
       } else {
@@ -81,7 +93,7 @@ const char* check_weight_params(const ShuffleWeightParams& p) {
     return "shuffle_weight_gpu: negative size";
   }
   if (p.rows % p.band != 0) return "shuffle_weight_gpu: rows must be a multiple of band";
-  if (p.row_bytes % gpu::kShuffleChunkBytes != 0) {
+  if (p.row_bytes % kShuffleChunkBytes != 0) {
     return "shuffle_weight_gpu: row_bytes must be a multiple of 16";
   }
   if (p.gate_up && p.rows % 32 != 0) {
@@ -129,7 +141,7 @@ GpuError launch_shuffle_weight(const ShuffleWeightParams& p, gpu::Stream stream)
 
 // Pieces of 16 shuffled bytes: 16 per 256-byte block, one per thread and step.
 constexpr int kPieceBytes = 16;
-constexpr int kPiecesPerBlock = gpu::kE8m0BlockBytes / kPieceBytes;
+constexpr int kPiecesPerBlock = kE8m0BlockBytes / kPieceBytes;
 
 template <bool kVectorStore>
 __global__ void __launch_bounds__(kMaxThreads) e8m0_shuffle_kernel(E8m0ShuffleParams p) {
@@ -148,15 +160,15 @@ __global__ void __launch_bounds__(kMaxThreads) e8m0_shuffle_kernel(E8m0ShufflePa
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t r = a * 32 + h * 16;
-      source_half[h] = (p.rows_per_expert > 0 && r < p.m) ? gate_up_source_row(r, p.rows_per_expert)
-                                                         : r;
+      source_half[h] =
+          (p.rows_per_expert > 0 && r < p.m) ? gate_up_source_row(r, p.rows_per_expert) : r;
     }
     uint32_t words[kPieceBytes / 4];
 #pragma unroll
     for (int w = 0; w < kPieceBytes / 4; ++w) words[w] = 0;
 #pragma unroll
     for (int byte = 0; byte < kPieceBytes; ++byte) {
-      const gpu::E8m0TilePosition t = gpu::e8m0_tile_position(piece * kPieceBytes + byte);
+      const E8m0TilePosition t = e8m0_tile_position(piece * kPieceBytes + byte);
       const int64_t r = a * 32 + t.row;
       const int64_t c = d * 8 + t.col;
       uint32_t value = kPadScale;
@@ -165,7 +177,7 @@ __global__ void __launch_bounds__(kMaxThreads) e8m0_shuffle_kernel(E8m0ShufflePa
       }
       words[byte / 4] |= value << (8 * (byte % 4));
     }
-    uint8_t* out = p.shuffled + block * gpu::kE8m0BlockBytes + piece * kPieceBytes;
+    uint8_t* out = p.shuffled + block * kE8m0BlockBytes + piece * kPieceBytes;
     if constexpr (kVectorStore) {
       *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
     } else {
@@ -189,9 +201,8 @@ __global__ void __launch_bounds__(kMaxThreads) e8m0_unshuffle_kernel(E8m0Shuffle
     const int64_t row = i / col_blocks;
     const int64_t d = i - row * col_blocks;
     // Output row `row` is padded row r of the interleaved matrix.
-    const int64_t r = p.rows_per_expert > 0 ? gpu::gate_up_interleaved_row(row, p.rows_per_expert)
-                                            : row;
-    const uint8_t* in = p.shuffled_in + gpu::e8m0_row_offset(r, p.padded_n);
+    const int64_t r = p.rows_per_expert > 0 ? gate_up_interleaved_row(row, p.rows_per_expert) : row;
+    const uint8_t* in = p.shuffled_in + e8m0_row_offset(r, p.padded_n);
     const int64_t c0 = d * kSegmentBytes;
     uint8_t* out = p.unshuffled + row * p.n + c0;
     if constexpr (kVectorStore) {
@@ -199,14 +210,14 @@ __global__ void __launch_bounds__(kMaxThreads) e8m0_unshuffle_kernel(E8m0Shuffle
       uint32_t lo = 0, hi = 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        lo |= uint32_t(in[gpu::e8m0_col_offset(c0 + j)]) << (8 * j);
-        hi |= uint32_t(in[gpu::e8m0_col_offset(c0 + 4 + j)]) << (8 * j);
+        lo |= uint32_t(in[e8m0_col_offset(c0 + j)]) << (8 * j);
+        hi |= uint32_t(in[e8m0_col_offset(c0 + 4 + j)]) << (8 * j);
       }
       *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
     } else {
 #pragma unroll
       for (int j = 0; j < kSegmentBytes; ++j) {
-        if (c0 + j < p.n) out[j] = in[gpu::e8m0_col_offset(c0 + j)];
+        if (c0 + j < p.n) out[j] = in[e8m0_col_offset(c0 + j)];
       }
     }
   }

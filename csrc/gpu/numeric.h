@@ -1,41 +1,26 @@
-// Bit-level float helpers shared by the GPU kernels and their host unit tests
-// (tests/cpp/). No GPU runtime header here, so the host compiler alone builds the tests.
+// The GPU kernels' 16-bit float storage types and their conversions, shared with the host
+// unit tests (tests/cpp/). No GPU runtime header here, so the host compiler alone builds the
+// tests. The fp32 bit helpers are host_device/float_bits.h's.
 #pragma once
 
 #include <cstdint>
 
+#include "host_device/float_bits.h"
 #include "moeext/common.h"
 
 namespace moeext::gpu {
 
+using host_device::bits_float;
+using host_device::float_bits;
+
 // Storage-only 16-bit floats, read by widening. bf16 is the top half of an fp32, so widening
-// is a shift; fp16 widens with the hardware conversion.
+// is a shift; fp16 widens with the hardware conversion (compat.h).
 struct alignas(2) bf16 {
   uint16_t bits;
 };
 struct alignas(2) fp16 {
   uint16_t bits;
 };
-
-MOEEXT_HOST_DEVICE inline uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  __builtin_memcpy(&u, &x, sizeof(u));
-  return u;
-#endif
-}
-
-MOEEXT_HOST_DEVICE inline float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __uint_as_float(u);
-#else
-  float x;
-  __builtin_memcpy(&x, &u, sizeof(x));
-  return x;
-#endif
-}
 
 MOEEXT_HOST_DEVICE inline float to_float(float x) { return x; }
 MOEEXT_HOST_DEVICE inline float to_float(bf16 x) { return bits_float(uint32_t(x.bits) << 16); }

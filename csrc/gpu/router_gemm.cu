@@ -9,8 +9,8 @@
 //     in registers, so each weight row is read exactly once and the hidden states (small,
 //     L2-resident) are re-read once per block;
 //   * at E = 256 that is 256 blocks (T <= 4) or 128 (T = 8, 16), filling an H100's 132 SMs;
-//     the 16-token instance runs one block per SM, and past one wave of them (E = 384) the
-//     platform GEMM is faster, so the caller is told to use it (router_gemm_small_t_pays);
+//     the 16-token instance runs one block per SM, and past one wave of them the platform
+//     GEMM is faster, so the caller is told to use it (router_gemm_small_t_pays);
 //   * per-thread partial sums are reduced by a reduce-scatter butterfly within each warp
 //     (router_gemm_tiling.h), then across the block's warps through shared memory in a fixed
 //     order.

@@ -51,9 +51,8 @@ MOEEXT_HOST_DEVICE inline int64_t router_gemm_blocks(int token_tile, int64_t num
 }
 
 // Whether the kernel beats the platform GEMM on a GPU of `sms` multiprocessors. The 16-token
-// instance runs one block (two experts) per SM: in one wave it beat cuBLAS (H200, H = 7168,
-// E = 256: 6.57 us against 7.40 for torch.mm with fp32 output), in two it lost (E = 384:
-// 10.91 against 7.69). The smaller instances won at both (E = 384, T = 1: 3.86 against 7.44).
+// instance runs one block (two experts) per SM and wins only while its blocks fit one wave;
+// the smaller instances won past one wave too (docs/notes/gpu-kernels.md).
 MOEEXT_HOST_DEVICE inline bool router_gemm_small_t_pays(int64_t num_tokens, int64_t num_experts,
                                                         int sms) {
   const int tile = router_gemm_token_tile(num_tokens);

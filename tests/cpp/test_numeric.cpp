@@ -1,4 +1,5 @@
-// Host unit test of csrc/gpu/numeric.h, the bit helpers the GPU kernels use.
+// Host unit test of csrc/gpu/numeric.h, the bf16 rounding and widening the GPU kernels use
+// (with the fp32 bit helpers of csrc/host_device/float_bits.h).
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
@@ -7,8 +8,8 @@
 
 #include "gpu/numeric.h"
 
-using moeext::gpu::bits_float;
-using moeext::gpu::float_bits;
+using moeext::host_device::bits_float;
+using moeext::host_device::float_bits;
 
 namespace {
 

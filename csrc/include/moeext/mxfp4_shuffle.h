@@ -66,14 +66,4 @@ GpuError unshuffle_weight_gpu(const ShuffleWeightParams& p, void* stream);
 GpuError e8m0_shuffle_gpu(const E8m0ShuffleParams& p, void* stream);
 GpuError e8m0_unshuffle_gpu(const E8m0ShuffleParams& p, void* stream);
 
-// Row of the un-interleaved tensor that interleaved row `row` comes from: 16-row blocks
-// alternate gate (first half of each group of rows_per_group) and up (second half).
-MOEEXT_HOST_DEVICE inline int64_t gate_up_source_row(int64_t row, int64_t rows_per_group) {
-  const int64_t group = row / rows_per_group;
-  const int64_t local = row % rows_per_group;
-  const int64_t block = local / 16;
-  const int64_t half = (block % 2) * (rows_per_group / 2);
-  return group * rows_per_group + half + (block / 2) * 16 + local % 16;
-}
-
 }  // namespace moeext

@@ -1,98 +1,15 @@
-// The pure logic of the biased grouped top-k GPU kernels (SPEC.md section 1): key packing,
-// group scores, the final weights and the launch plan. The kernels in grouped_topk.cu and the
-// host unit test tests/cpp/test_grouped_topk_logic.cpp compile these very functions, so no
-// GPU runtime header may come in here.
-//
-// Conventions, the same as the CPU kernel's (csrc/cpu/grouped_topk.cpp):
-//   * b is the biased score with NaN replaced by -inf before anything compares it.
-//   * A key packs a value and an index so that "larger value, then lower index" is one
-//     unsigned compare: the value as an order-preserving unsigned int (-0 folded onto +0,
-//     NaN counted as -inf) in the high word, the inverted index in the low word.
-//   * Key 0 is below the key of every real value (-inf included), so a kernel removes a
-//     winner, or leaves out an expert, by setting its key to 0.
+// The launch plan of the biased grouped top-k GPU kernels (grouped_topk.cu): which kernel and
+// instance takes a topology, how the warp kernel lays out experts and groups over its lanes,
+// and the shared memory of each kernel. The routing logic itself is host_device/routing.h.
+// The kernels and the host unit test tests/cpp/test_grouped_topk_plan.cpp compile these very
+// functions, so no GPU runtime header may come in here.
 #pragma once
 
 #include <cstdint>
 
-#include "gpu/numeric.h"
 #include "moeext/common.h"
 
 namespace moeext::gpu::grouped_topk {
-
-constexpr uint32_t kNegInfBits = 0xff800000u;
-constexpr uint64_t kRemovedKey = 0;
-
-MOEEXT_HOST_DEVICE inline float neg_inf() { return bits_float(kNegInfBits); }
-
-// By its bits, so that no compiler flag can turn the test into "never NaN".
-MOEEXT_HOST_DEVICE inline bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
-
-MOEEXT_HOST_DEVICE inline float nan_to_neg_inf(float x) { return is_nan(x) ? neg_inf() : x; }
-
-// ordered(a) > ordered(b) exactly when a > b as floats, with -0 == +0 and NaN as -inf.
-MOEEXT_HOST_DEVICE inline uint32_t ordered_bits(float value) {
-  // + 0.0f turns -0 into +0 under round-to-nearest and leaves every other value alone.
-  const uint32_t bits = float_bits(nan_to_neg_inf(value) + 0.0f);
-  return bits ^ ((bits >> 31) ? 0xffffffffu : 0x80000000u);
-}
-
-// Inverse of ordered_bits for the values it produces (never -0, never NaN).
-MOEEXT_HOST_DEVICE inline float ordered_value(uint32_t ordered) {
-  return bits_float((ordered >> 31) ? (ordered ^ 0x80000000u) : ~ordered);
-}
-
-MOEEXT_HOST_DEVICE inline uint64_t key_from_ordered(uint32_t ordered, uint32_t index) {
-  return (uint64_t(ordered) << 32) | uint32_t(~index);
-}
-
-MOEEXT_HOST_DEVICE inline uint64_t make_key(float value, uint32_t index) {
-  return key_from_ordered(ordered_bits(value), index);
-}
-
-MOEEXT_HOST_DEVICE inline uint32_t key_index(uint64_t key) { return ~uint32_t(key); }
-
-MOEEXT_HOST_DEVICE inline float key_value(uint64_t key) { return ordered_value(uint32_t(key >> 32)); }
-
-// The two largest of a set of NaN-free values, a repeated maximum counted twice (as
-// topk(2) counts it). Empty: both -inf.
-struct Top2 {
-  float first;
-  float second;
-};
-
-MOEEXT_HOST_DEVICE inline Top2 top2_empty() { return Top2{neg_inf(), neg_inf()}; }
-
-MOEEXT_HOST_DEVICE inline Top2 top2_push(Top2 t, float x) {
-  const float low = x < t.first ? x : t.first;
-  return Top2{x > t.first ? x : t.first, low > t.second ? low : t.second};
-}
-
-// The top-2 of the union of two sets: the larger first, and the larger of the smaller first
-// and the two seconds.
-MOEEXT_HOST_DEVICE inline Top2 top2_merge(Top2 a, Top2 b) {
-  const float high = a.first > b.first ? a.first : b.first;
-  const float low = a.first > b.first ? b.first : a.first;
-  const float seconds = a.second > b.second ? a.second : b.second;
-  return Top2{high, low > seconds ? low : seconds};
-}
-
-// SPEC step 3: with a bias the sum of the top two (a group of one expert scores that
-// expert), without a bias the maximum. +inf + -inf is NaN: it ranks as -inf, like NaN in b.
-MOEEXT_HOST_DEVICE inline float group_score(Top2 t, bool has_bias, int64_t group_size) {
-  if (!has_bias || group_size == 1) return t.first;
-  return nan_to_neg_inf(t.first + t.second);
-}
-
-// SPEC step 6: the weight of a chosen expert is its unbiased score, 0 where that is NaN.
-MOEEXT_HOST_DEVICE inline float weight_of_score(float s) { return is_nan(s) ? 0.0f : s; }
-
-// SPEC step 7, written as the CPU kernel writes it so that the two agree bit for bit:
-// `sum` is the fp32 sum of the topk weights added in order j = 0, 1, ..., topk - 1.
-MOEEXT_HOST_DEVICE inline float finalize_weight(float w, float sum, bool renormalize,
-                                                float routed_scaling_factor) {
-  if (renormalize) return w / (sum + 1e-20f) * routed_scaling_factor;
-  return w * routed_scaling_factor;
-}
 
 // Widest load (16, 8 or 4 bytes) that reads a lane's chunk of `count` elements of
 // `element_size` bytes in whole loads: chunk starts are multiples of the chunk size, so an

@@ -1,8 +1,8 @@
-// Host unit test of csrc/gpu/shuffle_index.h, the index maps of the MXFP4 shuffle kernels:
-// each map against SPEC.md section 3's formulas written out literally, each pair of maps as
-// mutual inverses (bijections), and the decompositions the kernels use (thread slots,
-// 16-row halves, 16-byte pieces of a 256-byte block) replayed on random bytes against a
-// literal SPEC reference.
+// Host unit test of csrc/host_device/shuffle_maps.h, the index maps of the MXFP4 shuffle
+// kernels (CPU and GPU), and of csrc/gpu/shuffle_threads.h: each map against SPEC.md section
+// 3's formulas written out literally, each pair of maps as mutual inverses (bijections), and
+// the decompositions the GPU kernels use (thread slots, 16-row halves, 16-byte pieces of a
+// 256-byte block) replayed on random bytes against a literal SPEC reference.
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -10,13 +10,14 @@
 #include <vector>
 
 #include "check.h"
-#include "gpu/shuffle_index.h"
+#include "gpu/shuffle_threads.h"
+#include "host_device/shuffle_maps.h"
 
 namespace gpu = moeext::gpu;
-using moeext::gate_up_source_row;
+namespace maps = moeext::host_device;
+using moeext::host_device::gate_up_source_row;
 
 namespace {
-
 
 using ll = long long;
 
@@ -41,7 +42,7 @@ void test_gate_up_rows() {
               ll(source), ll(spec_interleaved_source(n, rows_per_group)));
         if (source < 0 || source >= total) continue;
         ++hit[size_t(source)];
-        const int64_t back = gpu::gate_up_interleaved_row(source, rows_per_group);
+        const int64_t back = maps::gate_up_interleaved_row(source, rows_per_group);
         CHECK(back == n, "gate_up_interleaved_row(%lld, %lld) = %lld, want %lld", ll(source),
               ll(rows_per_group), ll(back), ll(n));
         // The e8m0 kernel reads a 16-row block as one contiguous run of source rows.
@@ -81,8 +82,8 @@ int64_t header_weight_offset(int64_t b, int64_t n, int64_t x, int64_t rows, int6
 
 int64_t map_weight_offset(int64_t b, int64_t n, int64_t x, int64_t rows, int64_t row_bytes,
                           int64_t band) {
-  return gpu::shuffled_chunk_index(b, n / band, n % band, x / 16, rows, row_bytes / 16, band) *
-             gpu::kShuffleChunkBytes +
+  return maps::shuffled_chunk_index(b, n / band, n % band, x / 16, rows, row_bytes / 16, band) *
+             maps::kShuffleChunkBytes +
          x % 16;
 }
 
@@ -136,7 +137,7 @@ void test_weight_bijection(int64_t batch, int64_t rows, int64_t row_bytes, int64
         }
         const int64_t s = got / 16;
         ++hit[size_t(s)];
-        const gpu::LogicalChunk back = gpu::logical_chunk_of(s, rows, chunks_per_row, band);
+        const maps::LogicalChunk back = maps::logical_chunk_of(s, rows, chunks_per_row, band);
         CHECK(back.batch == b && back.row == n && back.chunk == kc,
               "band %lld: logical_chunk_of(%lld) = (%lld, %lld, %lld), want (%lld, %lld, %lld)",
               ll(band), ll(s), ll(back.batch), ll(back.row), ll(back.chunk), ll(b), ll(n),
@@ -164,13 +165,13 @@ void test_weight_thread_slots() {
     for (int64_t chunks_per_row : {1, 3, 16, 224}) {
       std::vector<int> hit(size_t(band * chunks_per_row), 0);
       const int64_t rows = 2 * band, b = 1, n0 = 1;  // band 1 of batch entry 1
-      const int64_t band_first = gpu::shuffled_chunk_index(b, n0, 0, 0, rows, chunks_per_row, band);
+      const int64_t band_first = maps::shuffled_chunk_index(b, n0, 0, 0, rows, chunks_per_row, band);
       for (int tid = 0; tid < threads; ++tid) {
         const gpu::ShuffleThreadSlot slot = gpu::shuffle_thread_slot(tid, int(band));
         int64_t k = 0;
         for (int64_t kc = slot.kc; kc < chunks_per_row; kc += threads / band, ++k) {
           const int64_t s =
-              gpu::shuffled_chunk_index(b, n0, slot.n1, kc, rows, chunks_per_row, band);
+              maps::shuffled_chunk_index(b, n0, slot.n1, kc, rows, chunks_per_row, band);
           CHECK(s == band_first + tid + k * threads,
                 "band %lld, tid %d, step %lld: chunk %lld is not band start + tid + step",
                 ll(band), tid, ll(k), ll(s));
@@ -221,7 +222,7 @@ void test_weight_replay(int64_t batch, int64_t rows, int64_t k_elements, int64_t
       const int64_t n = n0 * band + slot.n1;
       const int64_t source = gate_up ? gate_up_source_row(n, rows) : n;
       for (int64_t kc = slot.kc; kc < chunks_per_row; kc += threads / band) {
-        const int64_t s = gpu::shuffled_chunk_index(b, n0, slot.n1, kc, rows, chunks_per_row, band);
+        const int64_t s = maps::shuffled_chunk_index(b, n0, slot.n1, kc, rows, chunks_per_row, band);
         if (s < 0 || s >= batch * rows * chunks_per_row) {
           CHECK(false, "shuffled chunk %lld is outside the tensor", ll(s));
           return;
@@ -237,7 +238,7 @@ void test_weight_replay(int64_t batch, int64_t rows, int64_t k_elements, int64_t
   // unshuffle: every shuffled chunk back through logical_chunk_of.
   std::vector<uint8_t> back(w.size(), 0);
   for (int64_t s = 0; s < batch * rows * chunks_per_row; ++s) {
-    const gpu::LogicalChunk c = gpu::logical_chunk_of(s, rows, chunks_per_row, band);
+    const maps::LogicalChunk c = maps::logical_chunk_of(s, rows, chunks_per_row, band);
     if (c.batch < 0 || c.batch >= batch || c.row < 0 || c.row >= rows || c.chunk < 0 ||
         c.chunk >= chunks_per_row) {
       CHECK(false, "logical_chunk_of(%lld) = (%lld, %lld, %lld) is outside the tensor", ll(s),
@@ -266,7 +267,7 @@ void test_e8m0_maps(int64_t m, int64_t n) {
   std::vector<int> hit(size_t(pm * pn), 0);
   for (int64_t r = 0; r < pm; ++r) {
     for (int64_t c = 0; c < pn; ++c) {
-      const int64_t got = gpu::e8m0_shuffled_offset(r, c, pn);
+      const int64_t got = maps::e8m0_shuffled_offset(r, c, pn);
       const int64_t want = spec_e8m0_offset(r, c, pn);
       if (got != want || got < 0 || got >= pm * pn) {
         CHECK(false, "[%lld, %lld]: e8m0_shuffled_offset(%lld, %lld) = %lld, SPEC says %lld",
@@ -274,7 +275,7 @@ void test_e8m0_maps(int64_t m, int64_t n) {
         return;
       }
       ++hit[size_t(got)];
-      const gpu::E8m0Position back = gpu::e8m0_padded_position(got, pn);
+      const maps::E8m0Position back = maps::e8m0_padded_position(got, pn);
       CHECK(back.row == r && back.col == c, "e8m0_padded_position(%lld) = (%lld, %lld), want (%lld, %lld)",
             ll(got), ll(back.row), ll(back.col), ll(r), ll(c));
     }
@@ -292,7 +293,7 @@ void test_e8m0_maps(int64_t m, int64_t n) {
   for (int64_t o = 0; o < pm * pn; ++o) {
     const int64_t block = o / 256;
     const int piece = int(o % 256) / 16, byte = int(o % 16);
-    const gpu::E8m0TilePosition t = gpu::e8m0_tile_position(piece * 16 + byte);
+    const maps::E8m0TilePosition t = maps::e8m0_tile_position(piece * 16 + byte);
     const int64_t r = (block / (pn / 8)) * 32 + t.row, c = (block % (pn / 8)) * 8 + t.col;
     if (t.row < 0 || t.row >= 32 || t.col < 0 || t.col >= 8 || spec_e8m0_offset(r, c, pn) != o) {
       CHECK(false, "[%lld, %lld]: kernel decomposition of byte %lld gives (%lld, %lld)", ll(m),
@@ -300,7 +301,26 @@ void test_e8m0_maps(int64_t m, int64_t n) {
       return;
     }
   }
+  // Block (a, d) starts where SPEC puts padded (32a, 8d), and the blocks of a 32-row band
+  // follow each other in d (the CPU kernels write them in turn from the band's first).
+  for (int64_t a = 0; a < pm / 32; ++a) {
+    for (int64_t d = 0; d < pn / 8; ++d) {
+      const int64_t got = maps::e8m0_block_offset(a, d, pn);
+      CHECK(got == spec_e8m0_offset(a * 32, d * 8, pn) &&
+                got == maps::e8m0_shuffled_offset(a * 32, d * 8, pn) &&
+                got == maps::e8m0_block_offset(a, 0, pn) + d * maps::kE8m0BlockBytes,
+            "[%lld, %lld]: e8m0_block_offset(%lld, %lld) = %lld", ll(m), ll(n), ll(a), ll(d),
+            ll(got));
+    }
+  }
 }
+
+// The CPU kernels build their tile table from e8m0_tile_position at compile time.
+static_assert(maps::e8m0_tile_position(0).row == 0 && maps::e8m0_tile_position(1).row == 16 &&
+                  maps::e8m0_tile_position(64).col == 1 &&
+                  maps::e8m0_tile_position(255).row == 31 &&
+                  maps::e8m0_tile_position(255).col == 7,
+              "e8m0_tile_position is usable in constant expressions");
 
 // Both kernels' walks on random scales (strided, gate_up or not) against SPEC literally.
 void test_e8m0_replay(int64_t m, int64_t n, int64_t rows_per_expert, int64_t col_stride,
@@ -334,7 +354,7 @@ void test_e8m0_replay(int64_t m, int64_t n, int64_t rows_per_expert, int64_t col
       source_half[h] = (rows_per_expert > 0 && r < m) ? gate_up_source_row(r, rows_per_expert) : r;
     }
     for (int byte = 0; byte < 16; ++byte) {
-      const gpu::E8m0TilePosition t = gpu::e8m0_tile_position(piece * 16 + byte);
+      const maps::E8m0TilePosition t = maps::e8m0_tile_position(piece * 16 + byte);
       const int64_t r = a * 32 + t.row, c = d * 8 + t.col;
       uint8_t v = 0x7F;
       if (t.row < 0 || t.row >= 32 || t.col < 0 || t.col >= 8) {
@@ -358,11 +378,11 @@ void test_e8m0_replay(int64_t m, int64_t n, int64_t rows_per_expert, int64_t col
   std::vector<uint8_t> back(size_t(m * n), 0);
   for (int64_t i = 0; i < m * col_blocks; ++i) {
     const int64_t row = i / col_blocks, d = i % col_blocks;
-    const int64_t r = rows_per_expert > 0 ? gpu::gate_up_interleaved_row(row, rows_per_expert) : row;
-    const int64_t in = gpu::e8m0_row_offset(r, pn);
+    const int64_t r = rows_per_expert > 0 ? maps::gate_up_interleaved_row(row, rows_per_expert) : row;
+    const int64_t in = maps::e8m0_row_offset(r, pn);
     for (int j = 0; j < 8; ++j) {
       const int64_t c = d * 8 + j;
-      const int64_t o = in + gpu::e8m0_col_offset(c);
+      const int64_t o = in + maps::e8m0_col_offset(c);
       if (r < 0 || r >= m || o < 0 || o >= pm * pn) {
         CHECK(false, "unshuffle of row %lld reads byte %lld of padded row %lld", ll(row), ll(o),
               ll(r));
@@ -412,5 +432,5 @@ int main() {
       test_e8m0_replay(experts * rows_per_expert, n, rows_per_expert, 2, rng);
     }
   }
-  return moeext_test::finish("shuffle index");
+  return moeext_test::finish("shuffle maps");
 }

@@ -1,0 +1,119 @@
+// What both biased grouped top-k GPU kernels (grouped_topk_warp.h, grouped_topk_block.h)
+// use: the arguments they are launched with, their launch bounds, and the warp-level device
+// helpers they share. CUDA and HIP alike, through compat.h.
+// Included by grouped_topk.cu alone: the anonymous namespace keeps the kernels internal to
+// that one translation unit, as they were when it held them all.
+#pragma once
+
+#include "gpu/compat.h"
+#include "gpu/grouped_topk_plan.h"
+#include "host_device/routing.h"
+#include "moeext/grouped_topk.h"
+
+namespace moeext::gpu::grouped_topk {
+
+// The routing logic the CPU kernel shares (key packing, group scores, weights, NaN policy).
+using host_device::finalize_weight;
+using host_device::group_score;
+using host_device::is_nan;
+using host_device::key_from_ordered;
+using host_device::key_index;
+using host_device::kRemovedKey;
+using host_device::make_key;
+using host_device::nan_to_neg_inf;
+using host_device::neg_inf;
+using host_device::ordered_bits;
+using host_device::Top2;
+using host_device::top2_empty;
+using host_device::top2_merge;
+using host_device::top2_push;
+using host_device::weight_of_score;
+
+namespace {
+
+struct NoBias {};
+
+// Everything a kernel needs, passed by value. Strides in elements (those of
+// BiasedGroupedTopkParams). The launch shape is passed in rather than read from
+// blockDim/gridDim: see thread_index().
+struct KernelArgs {
+  BiasedGroupedTopkParams p;
+  int group_size;                  // num_experts / num_expert_group
+  int lanes_per_group;             // warp kernel, see plan_fast_path()
+  bool group_scores_in_registers;  // warp kernel
+  int warps_per_block;             // warp kernel: tokens per block and round
+  int64_t token_step;              // tokens all blocks take per round (the grid-stride)
+};
+
+constexpr int kMaxThreadsPerBlock = 256;
+// Launch bounds (256 threads, 2 blocks per multiprocessor): without a minimum, ptxas for sm_90a
+// held the 12-experts-per-lane kernel to 80 registers and spilled; 2 blocks allow 128, which
+// every instance fits without spilling while prefill batches keep 16 warps per SM.
+constexpr int kMinBlocksPerMultiprocessor = 2;
+static_assert(kGeneralThreads <= kMaxThreadsPerBlock, "launch bounds of the block kernel");
+
+// HIP's threadIdx and blockIdx are calls into the device library, which the device-only
+// build check (-nogpulib) cannot resolve and then counts as stack and registers of an
+// unknown callee; the builtins they wrap are the same instructions.
+__device__ __forceinline__ int thread_index() {
+#if defined(MOEEXT_HIP)
+  return int(__builtin_amdgcn_workitem_id_x());
+#else
+  return int(threadIdx.x);
+#endif
+}
+
+__device__ __forceinline__ int64_t block_index() {
+#if defined(MOEEXT_HIP)
+  return int64_t(__builtin_amdgcn_workgroup_id_x());
+#else
+  return int64_t(blockIdx.x);
+#endif
+}
+
+__device__ __forceinline__ float quiet_nan() { return bits_float(0x7fc00000u); }
+
+// Accurate expf/log1pf/sqrtf, never the fast intrinsics: the scores must agree with the CPU
+// to an ulp, since near ties decide which expert wins.
+__device__ __forceinline__ float elementwise_score(ScoringFunc scoring_func, float x) {
+  if (scoring_func == ScoringFunc::kSigmoid) return 1.0f / (1.0f + expf(-x));
+  // softplus with torch's threshold: x itself above 20.
+  return sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+}
+
+// The dynamic shared memory of both kernels; uint4 gives the base 16-byte alignment.
+__device__ __forceinline__ uint32_t* shared_words() {
+  extern __shared__ uint4 moeext_grouped_topk_smem[];
+  return reinterpret_cast<uint32_t*>(moeext_grouped_topk_smem);
+}
+
+// Largest value over the warp by a butterfly of shuffles: partner lanes combine the same two
+// values, so every lane ends with the same bits. Integers, or NaN-free floats.
+template <int kWarpSize, typename T>
+__device__ __forceinline__ T butterfly_max(T x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const T other = shfl_xor(x, offset);
+    x = other > x ? other : x;
+  }
+  return x;
+}
+
+template <int kWarpSize>
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += shfl_xor(x, offset);
+  return x;
+}
+
+// Merges the top-2 pairs of aligned runs of `lanes` (a power of two) lanes.
+__device__ __forceinline__ Top2 merge_top2_across_lanes(Top2 t, int lanes) {
+  for (int offset = 1; offset < lanes; offset *= 2) {
+    const Top2 other{shfl_xor(t.first, offset), shfl_xor(t.second, offset)};
+    t = top2_merge(t, other);
+  }
+  return t;
+}
+
+}  // namespace
+}  // namespace moeext::gpu::grouped_topk

@@ -1,0 +1,314 @@
+// The warp kernel of biased grouped top-k routing: one token per warp, each lane holding
+// kExpertsPerLane contiguous experts in registers (see grouped_topk.cu for when it runs).
+// Included by grouped_topk.cu alone: the anonymous namespace keeps the kernels internal to
+// that one translation unit, as they were when it held them all.
+#pragma once
+
+#include <type_traits>
+
+#include "gpu/grouped_topk_device.h"
+
+namespace moeext::gpu::grouped_topk {
+namespace {
+
+// Orders shared-memory writes of the warp before its later reads (CUDA: __syncwarp; HIP's
+// __syncwarp is recent, so its definition is spelled out).
+__device__ __forceinline__ void sync_warp() {
+#if defined(MOEEXT_HIP)
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+// The largest of x[kBegin, kEnd), reduced as a tree: log2(kCount) dependent compares rather
+// than kCount - 1, on the critical path of every argmax round. (Recursion, not a loop: a
+// loop whose stride halves is not unrolled, and the array went to local memory.)
+template <int kBegin, int kEnd, typename T, int kCount>
+__device__ __forceinline__ T lane_max(const T (&x)[kCount]) {
+  if constexpr (kEnd - kBegin == 1) {
+    return x[kBegin];
+  } else {
+    const T a = lane_max<kBegin, (kBegin + kEnd) / 2>(x);
+    const T b = lane_max<(kBegin + kEnd) / 2, kEnd>(x);
+    return a > b ? a : b;
+  }
+}
+
+// This lane's first expert whose value is target, or none. Lane l holds experts first,
+// first + 1, ... in value[0, V), ascending with the lane.
+template <int V>
+__device__ __forceinline__ uint32_t first_holding(const uint32_t (&value)[V], int first,
+                                                  uint32_t target, uint32_t none) {
+  uint32_t expert = none;
+#pragma unroll
+  for (int i = V - 1; i >= 0; --i) expert = value[i] == target ? uint32_t(first + i) : expert;
+  return expert;
+}
+
+// One argmax round's winner, in every lane: the expert with the largest value, the lowest
+// such expert on a tie (the tie rule). 0 marks an expert out of play; at least one is in.
+template <int kWarpSize, int V>
+__device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int first) {
+#if defined(MOEEXT_HAS_WARP_REDUX)
+  // The largest value, then the least of the lanes' first experts holding it (lanes holding
+  // none offer 0xffffffff).
+  const uint32_t best = warp_reduce_max(lane_max<0, V>(value));
+  return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
+#else
+  // Each lane's largest value and the first expert holding it, as one key (key_from_ordered:
+  // the larger key is the lower expert on a tie), and one butterfly over the keys: one
+  // dependent round trip fewer than a value butterfly, then a ballot and a shuffle for its
+  // holder, and faster (docs/notes/gpu-kernels.md).
+  const uint32_t lane_best = lane_max<0, V>(value);
+  const uint32_t lane_first = first_holding(value, first, lane_best, uint32_t(first));
+  return key_index(butterfly_max<kWarpSize>(key_from_ordered(lane_best, lane_first)));
+#endif
+}
+
+// out[i] = ptr[i] widened, in loads of chunk_load_bytes(kCount, sizeof(T)) bytes.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_chunk(const T* ptr, float (&out)[kCount]) {
+  constexpr int kBytes = kCount * int(sizeof(T));
+  static_assert(kBytes % 4 == 0, "whole 32-bit words");
+  constexpr int kWords = kBytes / 4;
+  constexpr int kWordsPerLoad = chunk_load_bytes(kCount, int(sizeof(T))) / 4;
+  uint32_t words[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; i += kWordsPerLoad) {
+    if constexpr (kWordsPerLoad == 4) {
+      const uint4 v = reinterpret_cast<const uint4*>(ptr)[i / 4];
+      words[i] = v.x;
+      words[i + 1] = v.y;
+      words[i + 2] = v.z;
+      words[i + 3] = v.w;
+    } else if constexpr (kWordsPerLoad == 2) {
+      const uint2 v = reinterpret_cast<const uint2*>(ptr)[i / 2];
+      words[i] = v.x;
+      words[i + 1] = v.y;
+    } else {
+      words[i] = reinterpret_cast<const uint32_t*>(ptr)[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      out[i] = bits_float(words[i]);
+    } else {  // little-endian: the lower address is the low half
+      out[i] = to_float(T{uint16_t(words[i / 2] >> (16 * (i % 2)))});
+    }
+  }
+}
+
+// Experts [first, first + kCount) of a row with `stride` between experts; those at or past
+// num_experts read as 0 (they are never chosen). Whole in-range chunks of contiguous,
+// aligned rows are read in vector loads.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_experts(const T* row, int64_t stride, int first,
+                                             int num_experts, float (&out)[kCount]) {
+  constexpr int kAlign = chunk_load_bytes(kCount, int(sizeof(T)));
+  if (stride == 1 && reinterpret_cast<uintptr_t>(row) % kAlign == 0 &&
+      first + kCount <= num_experts) {
+    load_chunk<kCount>(row + first, out);  // first * sizeof(T) is a multiple of kAlign
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) {
+    const int e = first + i;
+    out[i] = e < num_experts ? to_float(row[int64_t(e) * stride]) : 0.0f;
+  }
+}
+
+// x (the logits of the lane's experts) -> s in place. Experts past the row are left out of
+// the softmax reductions.
+template <int kWarpSize, int kCount>
+__device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, int num_experts,
+                                           float (&x)[kCount]) {
+  switch (scoring_func) {
+    case ScoringFunc::kSigmoid:
+    case ScoringFunc::kSqrtSoftplus: {
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) x[i] = elementwise_score(scoring_func, x[i]);
+      break;
+    }
+    case ScoringFunc::kSoftmax: {
+      float row_max = neg_inf();
+      bool has_nan = false;
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) {
+        if (first + i < num_experts) {
+          has_nan |= is_nan(x[i]);
+          row_max = x[i] > row_max ? x[i] : row_max;
+        }
+      }
+      row_max = butterfly_max<kWarpSize>(row_max);
+      // A NaN anywhere makes the whole row NaN, as in the reference.
+      if (ballot(has_nan) != 0) row_max = quiet_nan();
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) {
+        x[i] = first + i < num_experts ? expf(x[i] - row_max) : 0.0f;
+        sum += x[i];
+      }
+      sum = warp_sum<kWarpSize>(sum);
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) x[i] = x[i] / sum;
+      break;
+    }
+  }
+}
+
+template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT>
+__device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
+  constexpr int V = kExpertsPerLane;
+  constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
+  const BiasedGroupedTopkParams& p = args.p;
+  const int lane = thread_index() % kWarpSize;
+  const int warp = thread_index() / kWarpSize;
+  const int warps_per_block = args.warps_per_block;
+  const int num_experts = int(p.num_experts);
+  const int num_groups = int(p.num_expert_group);
+  const int group_size = args.group_size;
+  const int topk = int(p.topk);
+  const int first = lane * V;  // this lane's experts: [first, first + V)
+  const bool select_groups = p.topk_group < p.num_expert_group;
+  const bool groups_in_registers = args.group_scores_in_registers;
+  const int lanes_per_group = args.lanes_per_group;
+  // This warp's row of b, when the groups are scored from shared memory.
+  float* const shared_b = reinterpret_cast<float*>(shared_words()) + int64_t(warp) * num_experts;
+
+  // The bias is the same for every token: read once, kept in registers.
+  float bias[V];
+  if constexpr (kHasBias) {
+    load_experts<V>(static_cast<const BiasT*>(p.correction_bias), p.bias_stride, first,
+                    num_experts, bias);
+  }
+
+  for (int64_t token = block_index() * warps_per_block + warp; token < p.num_tokens;
+       token += args.token_step) {
+    // Steps 1-2: s and the keys of b.
+    float s[V];
+    load_experts<V>(static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
+                    p.gating_col_stride, first, num_experts, s);
+    score_lane<kWarpSize, V>(p.scoring_func, first, num_experts, s);
+
+    // The rounds below compare b by ordered_bits; 0, below every real value (-inf's is
+    // 0x007fffff), marks an expert out of play.
+    uint32_t value[V];
+    Top2 top2 = top2_empty();  // of this lane's b, which lies in one group
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      float b = s[i];
+      if constexpr (kHasBias) b += bias[i];
+      b = nan_to_neg_inf(b);
+      const bool valid = first + i < num_experts;
+      value[i] = valid ? ordered_bits(b) : 0u;
+      if (select_groups && valid) {
+        if (groups_in_registers) {
+          top2 = top2_push(top2, b);
+        } else {
+          shared_b[first + i] = b;
+        }
+      }
+    }
+
+    // Steps 3-4: group g's top-2 gathered in lanes [g * lanes_per_group, ...), its score
+    // ranked against every other group's, and the experts of groups not kept removed.
+    if (select_groups) {
+      const int group = lane / lanes_per_group;
+      if (!groups_in_registers) {
+        sync_warp();
+        if (group < num_groups) {
+          const int span = (group_size + lanes_per_group - 1) / lanes_per_group;
+          const int begin = (lane % lanes_per_group) * span;
+          const int end = begin + span < group_size ? begin + span : group_size;
+          const float* group_b = shared_b + int64_t(group) * group_size;
+          for (int k = begin; k < end; ++k) top2 = top2_push(top2, group_b[k]);
+        }
+        sync_warp();  // read before the next token's row overwrites it
+      }
+      top2 = merge_top2_across_lanes(top2, lanes_per_group);
+      const uint32_t ordered = ordered_bits(group_score(top2, kHasBias, group_size));
+      const uint64_t own_key = key_from_ordered(ordered, uint32_t(group));
+      // rank = how many groups beat this one; all shuffles are independent.
+      int rank = 0;
+      for (int other = 0; other < num_groups; ++other) {
+        const uint32_t other_ordered = shfl(ordered, other * lanes_per_group);
+        rank += key_from_ordered(other_ordered, uint32_t(other)) > own_key ? 1 : 0;
+      }
+      const bool leader = lane % lanes_per_group == 0 && group < num_groups;
+      // Bit g * lanes_per_group set for each kept group g.
+      const LaneMask kept = ballot(leader && rank < p.topk_group);
+      if (groups_in_registers) {
+        // group * lanes_per_group <= lane: in range even for lanes past the last expert.
+        if (((kept >> (group * lanes_per_group)) & 1) == 0) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) value[i] = 0u;
+        }
+      } else {
+        int expert_group = first / group_size;
+        int in_group = first - expert_group * group_size;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          if (first + i < num_experts &&
+              ((kept >> (expert_group * lanes_per_group)) & 1) == 0) {
+            value[i] = 0u;
+          }
+          if (++in_group == group_size) {
+            in_group = 0;
+            ++expert_group;
+          }
+        }
+      }
+    }
+
+    // Steps 5-7: topk rounds of warp argmax, each clearing its winner. Lane j keeps the j-th
+    // winner; the weights are gathered after the last round, keeping a shuffle off each
+    // round's path.
+    uint32_t chosen_id = 0;
+    for (int j = 0; j < topk; ++j) {
+      const uint32_t id = round_winner<kWarpSize>(value, first);
+#pragma unroll
+      for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
+      chosen_id = lane == j ? id : chosen_id;
+    }
+    // The owner of expert e holds s[e % V]; one independent shuffle per slot.
+    float chosen_weight = 0.0f;
+    const int owner = int(chosen_id) / V;
+    const int slot = int(chosen_id) % V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float w = shfl(s[i], owner);
+      chosen_weight = slot == i ? w : chosen_weight;
+    }
+    chosen_weight = weight_of_score(chosen_weight);
+    // Every lane adds the weights in winning order, the CPU's summation order.
+    // (All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.)
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kWarpSize; ++j) {
+      const float w = shfl(chosen_weight, j);
+      if (j < topk) sum += w;
+    }
+    if (lane < topk) {
+      p.topk_ids[token * p.ids_row_stride + lane] = int32_t(chosen_id);
+      p.topk_weights[token * p.weights_row_stride + lane] =
+          finalize_weight(chosen_weight, sum, p.renormalize, p.routed_scaling_factor);
+    }
+  }
+}
+
+template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock, kMinBlocksPerMultiprocessor)
+    grouped_topk_warp_kernel(const KernelArgs args) {
+  if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
+    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT>(args);
+  } else {
+    (void)args;  // not this target's warp width: never launched here
+  }
+}
+
+}  // namespace
+}  // namespace moeext::gpu::grouped_topk
