@@ -53,7 +53,7 @@ void record(Id* routed, int64_t routed_row_stride, const int32_t* ids, int64_t i
 
 int64_t counted_rows(const RoutingOptions& o, int64_t num_tokens) {
   if (o.num_valid_tokens == nullptr) return num_tokens;
-  const int64_t valid = o.valid_dtype == DType::kInt32
+  const int64_t valid = o.valid_dtype == IntType::kInt32
                             ? *static_cast<const int32_t*>(o.num_valid_tokens)
                             : *static_cast<const int64_t*>(o.num_valid_tokens);
   return std::clamp<int64_t>(valid, 0, num_tokens);
@@ -67,7 +67,7 @@ void apply_routing_options(const BiasedGroupedTopkParams& p, int64_t row_begin,
   if (counted_end > row_begin) {
     const int64_t rows = counted_end - row_begin;
     if (o.routed_experts != nullptr) {
-      if (o.routed_dtype == DType::kInt16) {
+      if (o.routed_dtype == IntType::kInt16) {
         record(static_cast<int16_t*>(o.routed_experts) + row_begin * o.routed_row_stride,
                o.routed_row_stride, first_ids, p.ids_row_stride, rows, p.topk);
       } else {
@@ -76,7 +76,7 @@ void apply_routing_options(const BiasedGroupedTopkParams& p, int64_t row_begin,
       }
     }
     if (o.expert_counts != nullptr) {
-      if (o.counts_dtype == DType::kInt32) {
+      if (o.counts_dtype == IntType::kInt32) {
         add_counts(static_cast<int32_t*>(o.expert_counts), o.counts_stride, first_ids,
                    p.ids_row_stride, rows, p.topk, p.num_experts);
       } else {

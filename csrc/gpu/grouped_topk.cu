@@ -42,30 +42,30 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <int kWarpSize, typename LogitT, typename BiasT>
+template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 Kernel warp_kernel(int experts_per_lane) {
   switch (experts_per_lane) {
     case 4: {
       if constexpr (fast_instance_exists(kWarpSize, 4)) {
-        return grouped_topk_warp_kernel<kWarpSize, 4, LogitT, BiasT>;
+        return grouped_topk_warp_kernel<kWarpSize, 4, LogitT, BiasT, kOptions>;
       }
       break;
     }
     case 8: {
       if constexpr (fast_instance_exists(kWarpSize, 8)) {
-        return grouped_topk_warp_kernel<kWarpSize, 8, LogitT, BiasT>;
+        return grouped_topk_warp_kernel<kWarpSize, 8, LogitT, BiasT, kOptions>;
       }
       break;
     }
     case 12: {
       if constexpr (fast_instance_exists(kWarpSize, 12)) {
-        return grouped_topk_warp_kernel<kWarpSize, 12, LogitT, BiasT>;
+        return grouped_topk_warp_kernel<kWarpSize, 12, LogitT, BiasT, kOptions>;
       }
       break;
     }
     case 16: {
       if constexpr (fast_instance_exists(kWarpSize, 16)) {
-        return grouped_topk_warp_kernel<kWarpSize, 16, LogitT, BiasT>;
+        return grouped_topk_warp_kernel<kWarpSize, 16, LogitT, BiasT, kOptions>;
       }
       break;
     }
@@ -75,7 +75,7 @@ Kernel warp_kernel(int experts_per_lane) {
   return nullptr;
 }
 
-template <int kWarpSize, typename LogitT, typename BiasT>
+template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
   const int64_t num_tokens = args.p.num_tokens;
   const int64_t sms = multiprocessor_count_of_current_device();
@@ -89,7 +89,7 @@ GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
     if (blocks > sms * 16) blocks = sms * 16;
     args.warps_per_block = int(warps_per_block);
     args.token_step = blocks * warps_per_block;
-    const Kernel kernel = warp_kernel<kWarpSize, LogitT, BiasT>(plan.experts_per_lane);
+    const Kernel kernel = warp_kernel<kWarpSize, LogitT, BiasT, kOptions>(plan.experts_per_lane);
     if (kernel == nullptr) return "biased_grouped_topk: no warp kernel for this plan (internal error)";
     return launch(kernel, blocks, int(warps_per_block * kWarpSize),
                   fast_smem_bytes(plan, args.p.num_experts, warps_per_block), stream, args);
@@ -101,19 +101,27 @@ GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
   if (blocks > sms * 8) blocks = sms * 8;
   args.warps_per_block = kWarps;
   args.token_step = blocks;
-  return launch(grouped_topk_block_kernel<kWarpSize, LogitT, BiasT>, blocks, kGeneralThreads,
+  return launch(grouped_topk_block_kernel<kWarpSize, LogitT, BiasT, kOptions>, blocks,
+                kGeneralThreads,
                 layout.total_words * int64_t(sizeof(uint32_t)), stream, args);
+}
+
+// The options select their own instances (kOptions), so a plain call runs no code of theirs.
+template <int kWarpSize, typename LogitT, typename BiasT>
+GpuError launch_for_options(const KernelArgs& args, const FastPathPlan& plan, void* stream) {
+  if (args.p.options.any()) return launch_typed<kWarpSize, LogitT, BiasT, true>(args, plan, stream);
+  return launch_typed<kWarpSize, LogitT, BiasT, false>(args, plan, stream);
 }
 
 template <int kWarpSize, typename LogitT>
 GpuError launch_for_bias(const KernelArgs& args, const FastPathPlan& plan, void* stream) {
   if (args.p.correction_bias == nullptr) {
-    return launch_typed<kWarpSize, LogitT, NoBias>(args, plan, stream);
+    return launch_for_options<kWarpSize, LogitT, NoBias>(args, plan, stream);
   }
   switch (args.p.bias_dtype) {
-    case DType::kFloat32: return launch_typed<kWarpSize, LogitT, float>(args, plan, stream);
-    case DType::kBFloat16: return launch_typed<kWarpSize, LogitT, bf16>(args, plan, stream);
-    case DType::kFloat16: return launch_typed<kWarpSize, LogitT, fp16>(args, plan, stream);
+    case DType::kFloat32: return launch_for_options<kWarpSize, LogitT, float>(args, plan, stream);
+    case DType::kBFloat16: return launch_for_options<kWarpSize, LogitT, bf16>(args, plan, stream);
+    case DType::kFloat16: return launch_for_options<kWarpSize, LogitT, fp16>(args, plan, stream);
   }
   return "biased_grouped_topk: unknown correction_bias dtype";
 }

@@ -1,8 +1,8 @@
 // The block kernel of biased grouped top-k routing: one token per block of kGeneralThreads,
 // b and the group scores in shared memory, block-wide argmax (see grouped_topk.cu for when it
 // runs).
-// Included by grouped_topk.cu alone: the anonymous namespace keeps the kernels internal to
-// that one translation unit, as they were when it held them all.
+// Included by the routing .cu files (grouped_topk.cu, routing_weights.cu): the anonymous
+// namespace keeps each one's instances internal to it.
 #pragma once
 
 #include <type_traits>
@@ -103,7 +103,7 @@ __device__ __forceinline__ float block_sum(float x, float* partial) {
   return result;
 }
 
-template <int kWarpSize, typename LogitT, typename BiasT>
+template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 __device__ __forceinline__ void route_tokens_per_block(const KernelArgs& args) {
   constexpr int kWarps = kGeneralThreads / kWarpSize;
   constexpr int kThreads = kGeneralThreads;
@@ -125,6 +125,7 @@ __device__ __forceinline__ void route_tokens_per_block(const KernelArgs& args) {
   uint64_t* const slots = reinterpret_cast<uint64_t*>(words + layout.slots_offset);
   float* const partial = reinterpret_cast<float*>(words + layout.reduce_offset);
 
+  const int64_t counted_end = kOptions ? counted_rows(p.options, p.num_tokens) : 0;
   for (int64_t token = block_index(); token < p.num_tokens; token += args.token_step) {
     const LogitT* row = static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride;
     auto logit = [&](int e) { return to_float(row[int64_t(e) * p.gating_col_stride]); };
@@ -220,14 +221,23 @@ __device__ __forceinline__ void route_tokens_per_block(const KernelArgs& args) {
         weights[j] = finalize_weight(weights[j], sum, true, p.routed_scaling_factor);
       }
     }
+    if constexpr (kOptions) {
+      __syncthreads();  // every winner's id is written
+      const bool counted = token < counted_end;
+      for (int j = tid; j < topk; j += kThreads) {
+        ids[j] = finish_routed(p.options, token, j, uint32_t(ids[j]), counted);
+      }
+      write_shared_experts(p, token, tid, kThreads);
+    }
   }
 }
 
-template <int kWarpSize, typename LogitT, typename BiasT>
+// kOptions: the instance that applies the routing options; a plain call runs the other.
+template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 __global__ void __launch_bounds__(kGeneralThreads, kMinBlocksPerMultiprocessor)
     grouped_topk_block_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
-    route_tokens_per_block<kWarpSize, LogitT, BiasT>(args);
+    route_tokens_per_block<kWarpSize, LogitT, BiasT, kOptions>(args);
   } else {
     (void)args;  // not this target's warp width: never launched here
   }

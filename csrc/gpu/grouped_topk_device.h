@@ -1,8 +1,8 @@
 // What both biased grouped top-k GPU kernels (grouped_topk_warp.h, grouped_topk_block.h)
 // use: the arguments they are launched with, their launch bounds, and the warp-level device
 // helpers they share. CUDA and HIP alike, through compat.h.
-// Included by grouped_topk.cu alone: the anonymous namespace keeps the kernels internal to
-// that one translation unit, as they were when it held them all.
+// Included by the routing .cu files (grouped_topk.cu, routing_weights.cu): the anonymous
+// namespace keeps each one's instances internal to it.
 #pragma once
 
 #include "gpu/compat.h"
@@ -104,6 +104,56 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += shfl_xor(x, offset);
   return x;
+}
+
+// ---- The routing options (docs/SPEC.md section 6), in the kernels' kOptions instances ----
+
+// The rows a launch counts and records: num_valid_tokens clamped to [0, num_tokens], read
+// from device memory when the kernel runs (so a captured graph reads the replay's count).
+__device__ __forceinline__ int64_t counted_rows(const RoutingOptions& o, int64_t num_tokens) {
+  if (o.num_valid_tokens == nullptr) return num_tokens;
+  const int64_t valid = o.valid_dtype == IntType::kInt32
+                            ? int64_t(*static_cast<const int32_t*>(o.num_valid_tokens))
+                            : *static_cast<const int64_t*>(o.num_valid_tokens);
+  return valid < 0 ? 0 : (valid > num_tokens ? num_tokens : valid);
+}
+
+// Routed expert j of row `token`, the logical expert `id`: recorded and counted where the row
+// counts. Returns the id to write, through the expert map.
+__device__ __forceinline__ int32_t finish_routed(const RoutingOptions& o, int64_t token, int j,
+                                                 uint32_t id, bool counted) {
+  if (counted) {
+    if (o.routed_experts != nullptr) {
+      const int64_t at = token * o.routed_row_stride + j;
+      if (o.routed_dtype == IntType::kInt16) {
+        static_cast<int16_t*>(o.routed_experts)[at] = int16_t(id);
+      } else {
+        static_cast<int32_t*>(o.routed_experts)[at] = int32_t(id);
+      }
+    }
+    if (o.expert_counts != nullptr) {
+      const int64_t at = int64_t(id) * o.counts_stride;
+      if (o.counts_dtype == IntType::kInt32) {
+        atomicAdd(static_cast<int*>(o.expert_counts) + at, 1);
+      } else {
+        atomicAdd(reinterpret_cast<unsigned long long*>(static_cast<int64_t*>(o.expert_counts) + at),
+                  1ull);
+      }
+    }
+  }
+  return o.expert_map != nullptr ? o.expert_map[int64_t(id) * o.map_stride] : int32_t(id);
+}
+
+// The shared experts' columns of row `token`; this thread writes columns first, first + step...
+__device__ __forceinline__ void write_shared_experts(const BiasedGroupedTopkParams& p,
+                                                     int64_t token, int first, int step) {
+  const RoutingOptions& o = p.options;
+  for (int64_t j = first; j < o.num_shared_experts; j += step) {
+    const int64_t id = p.num_experts + j;
+    p.topk_ids[token * p.ids_row_stride + p.topk + j] =
+        o.expert_map != nullptr ? o.expert_map[id * o.map_stride] : int32_t(id);
+    p.topk_weights[token * p.weights_row_stride + p.topk + j] = o.shared_expert_weight;
+  }
 }
 
 // Merges the top-2 pairs of aligned runs of `lanes` (a power of two) lanes.

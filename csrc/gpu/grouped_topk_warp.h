@@ -1,7 +1,7 @@
 // The warp kernel of biased grouped top-k routing: one token per warp, each lane holding
 // kExpertsPerLane contiguous experts in registers (see grouped_topk.cu for when it runs).
-// Included by grouped_topk.cu alone: the anonymous namespace keeps the kernels internal to
-// that one translation unit, as they were when it held them all.
+// Included by the routing .cu files (grouped_topk.cu, routing_weights.cu): the anonymous
+// namespace keeps each one's instances internal to it.
 #pragma once
 
 #include <type_traits>
@@ -160,7 +160,7 @@ __device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, 
   }
 }
 
-template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT>
+template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions>
 __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   constexpr int V = kExpertsPerLane;
   constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
@@ -186,6 +186,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
                     num_experts, bias);
   }
 
+  const int64_t counted_end = kOptions ? counted_rows(p.options, p.num_tokens) : 0;
   for (int64_t token = block_index() * warps_per_block + warp; token < p.num_tokens;
        token += args.token_step) {
     // Steps 1-2: s and the keys of b.
@@ -293,18 +294,22 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
       if (j < topk) sum += w;
     }
     if (lane < topk) {
-      p.topk_ids[token * p.ids_row_stride + lane] = int32_t(chosen_id);
+      p.topk_ids[token * p.ids_row_stride + lane] =
+          kOptions ? finish_routed(p.options, token, lane, chosen_id, token < counted_end)
+                   : int32_t(chosen_id);
       p.topk_weights[token * p.weights_row_stride + lane] =
           finalize_weight(chosen_weight, sum, p.renormalize, p.routed_scaling_factor);
     }
+    if constexpr (kOptions) write_shared_experts(p, token, lane, kWarpSize);
   }
 }
 
-template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT>
+// kOptions: the instance that applies the routing options; a plain call runs the other.
+template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock, kMinBlocksPerMultiprocessor)
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
-    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT>(args);
+    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions>(args);
   } else {
     (void)args;  // not this target's warp width: never launched here
   }

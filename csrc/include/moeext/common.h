@@ -20,12 +20,15 @@ namespace moeext {
 // params or a device it does not take (nothing is launched then).
 using GpuError = const char*;
 
-// The element types a kernel may be asked to read or write. The bindings map torch dtypes onto
-// these.
+// The element types a kernel may be asked to read. The bindings map torch dtypes onto these.
 enum class DType : int8_t {
   kFloat32,
   kBFloat16,
   kFloat16,
+};
+
+// The integer element types of ids and counts.
+enum class IntType : int8_t {
   kInt16,
   kInt32,
   kInt64,

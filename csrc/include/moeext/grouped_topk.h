@@ -25,17 +25,17 @@ struct RoutingOptions {
   int64_t map_stride = 1;
   // [num_experts], kInt32 or kInt64: += 1 per routed logical id of every counted row.
   void* expert_counts = nullptr;
-  DType counts_dtype = DType::kInt32;
+  IntType counts_dtype = IntType::kInt32;
   int64_t counts_stride = 1;
   // [>= num_tokens, topk], kInt16 or kInt32: row t gets row t's routed logical ids (columns
   // contiguous).
   void* routed_experts = nullptr;
-  DType routed_dtype = DType::kInt32;
+  IntType routed_dtype = IntType::kInt32;
   int64_t routed_row_stride = 0;
   // One kInt32 or kInt64 in the kernels' memory: rows at or past it are neither counted nor
   // recorded (a negative value counts no row). Unset: every row counts.
   const void* num_valid_tokens = nullptr;
-  DType valid_dtype = DType::kInt64;
+  IntType valid_dtype = IntType::kInt64;
 
   bool any() const {
     return num_shared_experts > 0 || expert_map != nullptr || expert_counts != nullptr ||
@@ -80,7 +80,7 @@ struct RoutingWeightsParams {
   int64_t gating_row_stride = 0;
   int64_t gating_col_stride = 1;
   const void* topk_ids = nullptr;  // [num_tokens, k], kInt16, kInt32 or kInt64
-  DType ids_dtype = DType::kInt32;
+  IntType ids_dtype = IntType::kInt32;
   int64_t ids_row_stride = 0;
   int64_t ids_col_stride = 1;
   float* topk_weights = nullptr;  // [num_tokens, k], columns contiguous
@@ -101,7 +101,10 @@ int64_t routing_weights_cpu_invalid_row(const RoutingWeightsParams& params, int6
 // bit for bit the weights biased_grouped_topk_cpu writes for the same ids in the same order.
 void routing_weights_cpu(const RoutingWeightsParams& params, int64_t row_begin, int64_t row_end);
 // Every row on the GPU; a row holding an invalid id gets NaN weights (no host round trip).
+// What the GPU kernel cannot weigh (more than 4096 experts, a warp of neither 32 nor 64
+// lanes: see routing_weights_gpu_limit) is not launched: the caller checks first.
 GpuError routing_weights_gpu(const RoutingWeightsParams& params, void* stream);
+const char* routing_weights_gpu_limit(const RoutingWeightsParams& params);
 
 // Routes tokens [row_begin, row_end) on the CPU path cpu_isa_active(). Runs on the calling
 // thread: callers split the rows over their own thread pool.

@@ -177,7 +177,7 @@ RoutingOptions check_options(const OptionArgs& a, const at::Tensor& gating_outpu
     TORCH_CHECK(num_experts <= 1 || counts.stride(0) != 0, op,
                 ": expert_counts has experts that share memory (stride 0); each needs its own");
     o.expert_counts = counts.data_ptr();
-    o.counts_dtype = counts.scalar_type() == at::kInt ? DType::kInt32 : DType::kInt64;
+    o.counts_dtype = counts.scalar_type() == at::kInt ? IntType::kInt32 : IntType::kInt64;
     o.counts_stride = counts.stride(0);
   }
   if (a.routed_experts.has_value()) {
@@ -194,7 +194,7 @@ RoutingOptions check_options(const OptionArgs& a, const at::Tensor& gating_outpu
                 "strided), got strides ",
                 routed.strides());
     o.routed_experts = routed.data_ptr();
-    o.routed_dtype = routed.scalar_type() == at::kShort ? DType::kInt16 : DType::kInt32;
+    o.routed_dtype = routed.scalar_type() == at::kShort ? IntType::kInt16 : IntType::kInt32;
     o.routed_row_stride = routed.stride(0);
   }
   if (a.num_valid_tokens.has_value()) {
@@ -205,7 +205,7 @@ RoutingOptions check_options(const OptionArgs& a, const at::Tensor& gating_outpu
                               {"numel", valid.numel()}}));
     check_same_device(valid, "num_valid_tokens", gating_output, "gating_output", op);
     o.num_valid_tokens = valid.data_ptr();
-    o.valid_dtype = valid.scalar_type() == at::kInt ? DType::kInt32 : DType::kInt64;
+    o.valid_dtype = valid.scalar_type() == at::kInt ? IntType::kInt32 : IntType::kInt64;
   }
   return o;
 }
@@ -244,16 +244,9 @@ BiasedGroupedTopkParams fill_params(const at::Tensor& gating_output,
   return p;
 }
 
-int64_t element_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-    default:
-      return 2;
-  }
+int64_t element_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+int64_t element_size(IntType type) {
+  return type == IntType::kInt16 ? 2 : type == IntType::kInt32 ? 4 : 8;
 }
 
 // What a call writes may not overlap what it reads or other writes (nor its own rows): the

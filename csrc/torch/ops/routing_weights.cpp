@@ -27,14 +27,14 @@ const CheckMessage kIds{
     "shape {shape}"};
 const CheckMessages kMessages{&kIds};
 
-DType ids_dtype(const at::Tensor& ids) {
+IntType ids_dtype(const at::Tensor& ids) {
   switch (ids.scalar_type()) {
     case at::kShort:
-      return DType::kInt16;
+      return IntType::kInt16;
     case at::kInt:
-      return DType::kInt32;
+      return IntType::kInt32;
     default:
-      return DType::kInt64;
+      return IntType::kInt64;
   }
 }
 
@@ -104,6 +104,8 @@ void launch(Cpu, const RoutingWeightsParams& p, const at::Tensor& topk_ids, cons
 
 #if defined(MOEEXT_GPU_BACKEND)
 void launch(Gpu, const RoutingWeightsParams& p, const at::Tensor& topk_ids, const char* op) {
+  const char* limit = routing_weights_gpu_limit(p);
+  TORCH_CHECK(limit == nullptr, limit);
   if (p.num_tokens == 0 || p.k == 0) return;
   const c10::DeviceGuard guard(topk_ids.device());
   Gpu::check_launch(routing_weights_gpu(p, Gpu::stream(topk_ids)), op);
