@@ -5,7 +5,7 @@
 //   cpu/router_gemm_tiles.h   the nn.Linear weight in register tiles
 //   cpu/router_gemm_lanes.h   avx512bf16 only: bf16 tokens in the vector lanes
 //   cpu/router_gemm_packed.h  the prepacked weight
-// Here: the thread scratch of lanes and packed, and the dtype switches.
+// Here: the plan of a call (which of them runs, the scratch it needs), and the dtype switches.
 //
 // GCC 12's AVX-512 headers start shifts and extracts from a self-initialised "undefined"
 // vector and then warn about it once inlined (GCC bug 105593, fixed in 12.3).
@@ -26,8 +26,32 @@
 #include "cpu/router_gemm_tiles.h"
 #include "cpu/types.h"
 #include "moeext/router_gemm.h"
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
+#include "cpu/router_gemm_lanes.h"
+#endif
+#include "cpu/router_gemm_packed.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
+
+RouterGemmPlan plan_router_gemm(const RouterGemmParams& p) {
+  RouterGemmPlan plan;
+  plan.expert_block = p.weight_prepacked ? kRouterPackTile : kExpertBlock;
+  if (p.input_dtype != DType::kBFloat16) return plan;
+  if (p.weight_prepacked) {
+    plan.path = RouterGemmPath::kPrepackedTiles;
+    plan.scratch_words = packed::scratch_floats(p.num_tokens);
+    return plan;
+  }
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
+  plan.lane_tokens = lanes::leading_tokens(p.num_tokens);
+  if (plan.lane_tokens > 0) {
+    plan.path = RouterGemmPath::kTokenLanes;
+    plan.scratch_words = lanes::scratch_words(p.hidden_size);
+  }
+#endif
+  return plan;
+}
+
 namespace {
 
 // The calling thread's scratch, 64-byte aligned, of at least `words` dwords: grown, never
@@ -45,38 +69,36 @@ inline uint32_t* thread_scratch(int64_t words) {
   return scratch.get();
 }
 
-}  // namespace
-}  // namespace moeext::cpu::MOEEXT_CPU_ISA
-
-#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
-#include "cpu/router_gemm_lanes.h"
-#endif
-#include "cpu/router_gemm_packed.h"
-
-namespace moeext::cpu::MOEEXT_CPU_ISA {
-namespace {
-
 template <typename In, typename Out>
 void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
-  if constexpr (std::is_same_v<In, bf16_t>) {
-    if (p.weight_prepacked) {
-      packed::run<Out>(p, expert_begin, expert_end);
+  const RouterGemmPlan plan = plan_router_gemm(p);
+  uint32_t* const scratch = plan.scratch_words > 0 ? thread_scratch(plan.scratch_words) : nullptr;
+  switch (plan.path) {
+    case RouterGemmPath::kPrepackedTiles:
+      if constexpr (std::is_same_v<In, bf16_t>) {
+        packed::run<Out>(p, expert_begin, expert_end, reinterpret_cast<float*>(scratch));
+      }
       return;
-    }
-  }
+    case RouterGemmPath::kTokenLanes:
 #if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512bf16
-  if constexpr (std::is_same_v<In, bf16_t>) {
-    const int64_t done = lanes::run<Out>(p, expert_begin, expert_end);
-    if (done == p.num_tokens) return;
-    RouterGemmParams rest = p;
-    rest.hidden_states = static_cast<const In*>(p.hidden_states) + done * p.hidden_row_stride;
-    rest.logits = static_cast<Out*>(p.logits) + done * p.logits_row_stride;
-    rest.num_tokens = p.num_tokens - done;
-    run_tiles<In, Out>(rest, expert_begin, expert_end);
-    return;
-  }
+      if constexpr (std::is_same_v<In, bf16_t>) {
+        RouterGemmParams leading = p;
+        leading.num_tokens = plan.lane_tokens;
+        lanes::run<Out>(leading, expert_begin, expert_end, scratch);
+        if (plan.lane_tokens == p.num_tokens) return;
+        RouterGemmParams rest = p;
+        rest.hidden_states =
+            static_cast<const In*>(p.hidden_states) + plan.lane_tokens * p.hidden_row_stride;
+        rest.logits = static_cast<Out*>(p.logits) + plan.lane_tokens * p.logits_row_stride;
+        rest.num_tokens = p.num_tokens - plan.lane_tokens;
+        run_tiles<In, Out>(rest, expert_begin, expert_end);
+      }
 #endif
-  run_tiles<In, Out>(p, expert_begin, expert_end);
+      return;
+    case RouterGemmPath::kRegisterTiles:
+      run_tiles<In, Out>(p, expert_begin, expert_end);
+      return;
+  }
 }
 
 template <typename In>
@@ -107,7 +129,5 @@ void router_gemm(const RouterGemmParams& p, int64_t expert_begin, int64_t expert
       return;
   }
 }
-
-int router_gemm_expert_block() { return kExpertBlock; }
 
 }  // namespace moeext::cpu::MOEEXT_CPU_ISA

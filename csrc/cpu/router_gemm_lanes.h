@@ -110,6 +110,32 @@ inline int64_t pair_groups(int64_t hidden_size, int pairs) {
   return (hidden_size + 2 * pairs - 1) / (2 * pairs);
 }
 
+// The thread scratch run packs tokens into (plan_router_gemm sizes it): kPackedVectors
+// slots, each holding any layout (one pair per lane spans the most groups).
+inline int64_t slot_words(int64_t hidden_size) { return pair_groups(hidden_size, 1) * 16; }
+inline int64_t scratch_words(int64_t hidden_size) {
+  return kPackedVectors * slot_words(hidden_size);
+}
+
+// What leading_tokens assumes of run's loop: the first layout takes whole 32-token tiles,
+// and every other one all the tokens it is chosen for.
+constexpr bool layouts_take_whole_batches() {
+  if (kLayoutMinTokens[0] > kLayouts[0].tokens()) return false;
+  for (int i = 1; i < kNumLayouts; ++i) {
+    if (kLayouts[i].tokens() < kLayoutMinTokens[i - 1] - 1) return false;
+  }
+  return true;
+}
+static_assert(layouts_take_whole_batches(), "leading_tokens must match run's choice of layouts");
+
+// The leading tokens of a call the lanes take (plan_router_gemm): all of them from
+// kLaneMinTokens on, but for 1..4 left over whole 32-token tiles, the register tiles' work.
+constexpr int64_t leading_tokens(int64_t num_tokens) {
+  if (num_tokens < kLaneMinTokens) return 0;
+  const int64_t rest = num_tokens % kLayouts[0].tokens();
+  return rest < kLaneMinTokens ? num_tokens - rest : num_tokens;
+}
+
 // One vector of tokens: packed[g * 16 + lane], lane = token * kPairs + j, holds elements
 // 2 * (g * kPairs + j) and the one after of that token (n <= 16 / kPairs rows of x). Lanes of
 // tokens past n, and elements past hidden_size, are zero.
@@ -222,15 +248,13 @@ TileFn<Out> tile_fn(int layout, int rows) {
   return tile_fn<Out>(layout, rows, std::make_integer_sequence<int, kNumLayouts>{});
 }
 
-// Packs up to kPackedVectors vectors of tokens at a time and returns how many leading tokens
-// it did; the fewer than kLaneMinTokens left after them are the register tiles' work. Each
-// tile of weight rows serves every packed token while it is in L1/L2.
+// Packs up to kPackedVectors vectors of tokens at a time into scratch (scratch_words) and
+// runs every token of p, whose num_tokens the plan has cut to leading_tokens. Each tile of
+// weight rows serves every packed token while it is in L1/L2.
 template <typename Out>
-int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
-  if (p.num_tokens < kLaneMinTokens) return 0;
-  // A vector slot holds any layout: one pair per lane spans the most groups.
-  const int64_t stride = pair_groups(p.hidden_size, 1) * 16;
-  uint32_t* const scratch = thread_scratch(kPackedVectors * stride);
+void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end,
+         uint32_t* scratch) {
+  const int64_t stride = slot_words(p.hidden_size);
   const bf16_t* x = static_cast<const bf16_t*>(p.hidden_states);
   int64_t token = 0;
   while (p.num_tokens - token >= kLaneMinTokens) {
@@ -277,7 +301,6 @@ int64_t run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end)
       }
     }
   }
-  return token;
 }
 
 }  // namespace lanes

@@ -50,6 +50,12 @@ constexpr int64_t kChunkPairs = 256;
 // Tokens per sweep over the weight: bounds the scratch at kSweepTokens x kTile floats.
 constexpr int64_t kSweepTokens = 256;
 
+// The thread scratch run keeps its partial logits in (plan_router_gemm sizes it): a sweep's
+// tokens x kTile floats, none where the first sweep (the largest) is a single pass.
+constexpr int64_t scratch_floats(int64_t num_tokens) {
+  const int64_t tokens = std::min(kSweepTokens, num_tokens);
+  return tokens <= PairDot::kTokens ? 0 : tokens * kTile;
+}
 
 // The part of one tile's work a register tile does: vectors [0, V) of experts (the last with
 // `lanes` experts) for tokens [0, TB), pairs [k_begin, k_end).
@@ -195,9 +201,10 @@ inline constexpr TileTable<Out> kTiles{
     std::make_integer_sequence<int, PairDot::kVectors * PairDot::kTokens>{}};
 
 // expert_begin is a multiple of kTile (the callers split there). Tiles outermost within a
-// sweep of tokens, so each tile's weight comes from memory once per sweep.
+// sweep of tokens, so each tile's weight comes from memory once per sweep. scratch holds
+// scratch_floats(p.num_tokens) floats.
 template <typename Out>
-void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
+void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end, float* scratch) {
   using D = PairDot;
   const int64_t pairs = (p.hidden_size + 1) / 2;
   const bf16_t* weight = static_cast<const bf16_t*>(p.weight);
@@ -207,8 +214,7 @@ void run(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
     const bool one_pass = tokens <= D::kTokens;  // the accumulators never leave registers
     const int64_t per_tile = tile_vectors(std::min<int64_t>(tokens, D::kTokens));
     const int64_t chunk = one_pass ? std::max<int64_t>(pairs, 1) : kChunkPairs;
-    float* partial =
-        one_pass ? nullptr : reinterpret_cast<float*>(thread_scratch(tokens * kTile));
+    float* partial = one_pass ? nullptr : scratch;
     for (int64_t e0 = expert_begin; e0 < expert_end; e0 += kTile) {
       const int64_t width = std::min(kTile, p.num_experts - e0);
       const int64_t vectors = (width + D::kLanes - 1) / D::kLanes;
