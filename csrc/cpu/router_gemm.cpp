@@ -4,7 +4,7 @@
 //   cpu/router_gemm_dot.h     the ISA's dot products (one file per ISA, picked there)
 //   cpu/router_gemm_tiles.h   the nn.Linear weight in register tiles
 //   cpu/router_gemm_lanes.h   avx512bf16 only: bf16 tokens in the vector lanes
-//   cpu/router_gemm_packed.h  the prepacked weight
+//   cpu/router_gemm_packed.h  the prepacked weight (its layout: cpu/router_weight_pack.h)
 // Here: the plan of a call (which of them runs, the scratch it needs), and the dtype switches.
 //
 // GCC 12's AVX-512 headers start shifts and extracts from a self-initialised "undefined"

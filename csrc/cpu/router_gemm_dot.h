@@ -4,7 +4,7 @@
 //   Dot<T>            kStep consecutive elements of one token and one nn.Linear weight row into
 //                     an accumulator of per-lane partial sums (the register tiles);
 //   packed::PairDot   one bf16 pair of a token, broadcast, times a vector of experts' pairs of
-//                     the prepacked weight (RouterGemmParams::weight_prepacked);
+//                     the prepacked weight (cpu/router_weight_pack.h);
 //   kVectorRegisters  and MOEEXT_TILE_UNROLL, which size and shape the register tiles.
 // bf16 is widened by shifting except on avx512bf16: the even elements are the 32-bit lanes
 // shifted left by 16, the odd ones the lanes with the low half cleared, and both operands

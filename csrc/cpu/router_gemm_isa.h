@@ -9,7 +9,7 @@ namespace moeext::cpu {
 
 // The ways a call runs, chosen by plan_router_gemm.
 enum class RouterGemmPath : int8_t {
-  kPrepackedTiles,  // a prepacked bf16 weight (RouterGemmParams::weight_prepacked)
+  kPrepackedTiles,  // a prepacked bf16 weight (cpu/router_weight_pack.h), register tiles of it
   kTokenLanes,      // avx512bf16, bf16, 5 or more tokens: tokens in the vector lanes, and any
                     // 1..4 left over in register tiles
   kRegisterTiles,   // the nn.Linear weight in register tiles

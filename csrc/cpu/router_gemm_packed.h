@@ -1,9 +1,7 @@
-// Part of cpu/router_gemm.cpp.
-// A prepacked bf16 weight (moeext.prepack_router_weight), every ISA. The packed tensor
-// [ceil(H/2), E, 2] holds the experts in tiles of kRouterPackTile (64; the last one
-// narrower): tile i is [ceil(H/2)][width][2], the bf16 pair (h = 2k, 2k + 1) of each of its
-// experts for k = 0, 1, ... (an odd H's last pair padded with zero), and the tiles follow
-// each other. One pair row of a tile is a few consecutive vectors of experts, so a register
+// Part of cpu/router_gemm.cpp: the prepacked bf16 weight, every ISA. Its layout is documented,
+// and written, in cpu/router_weight_pack.h: experts in tiles of kRouterPackTile, a tile stored
+// pair row by pair row, row k holding the bf16 pair (h = 2k, 2k + 1) of each of its experts.
+// One pair row of a tile is a few consecutive vectors of experts, so a register
 // tile multiplies kVectors of them by a broadcast pair of each of kTokens tokens, and the
 // accumulators are the logits themselves: no horizontal sums, and a tile's weight is one
 // sequential stream. The broadcast token pairs stay in L1, where the nn.Linear layout's row
