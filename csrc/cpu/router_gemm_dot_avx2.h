@@ -86,9 +86,9 @@ namespace packed {
 struct PairDot {
   static constexpr int kLanes = 8;
   // 16 ymm registers: 8 accumulators, a widened weight vector, a widened token pair. Each
-  // accumulator takes a chain of two dependent FMAs per pair (8 cycles on Zen 3), so a tile
-  // needs all 8 to keep both FMA pipes busy: 8 vectors x 1 token, 4 x 2, 2 x 4. With the
-  // 2 x 1 tile that one token got before, T = 1 took 3x the nn.Linear layout's time there.
+  // accumulator takes a chain of two dependent FMAs per pair, so a tile needs all 8 to keep
+  // both FMA pipes busy: 8 vectors x 1 token, 4 x 2, 2 x 4 (one token in a 2 x 1 tile was
+  // far slower than the nn.Linear layout).
   static constexpr int kVectors = 8, kTokens = 4, kAccumulators = 8;
   static constexpr int kRegisters = 16, kPairRegisters = 2;
   using Acc = __m256;

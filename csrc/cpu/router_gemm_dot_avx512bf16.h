@@ -24,7 +24,7 @@ struct Dot<bf16_t> {
     __m512i v = _mm512_loadu_si512(p);
     // Without this GCC 12 reloads each weight vector for every token of the tile (as a
     // memory operand of vdpbf16ps): one load per dot product, and the loads become the
-    // bottleneck (~140 instead of ~180 GMAC/s per core at T = 16..64, -35% time at T = 256).
+    // bottleneck (docs/notes/cpu-router-gemm.md, "Weight vectors held in registers").
     asm("" : "+v"(v));
     return Operand(v);
   }
@@ -37,10 +37,9 @@ struct Dot<bf16_t> {
 
 namespace packed {
 
-// One vdpbf16ps per vector of experts and token: 4 x 4 accumulators. With the weight in the
-// LLC, 4 x 6 and 2 x 8 were within 3% of it at T = 16..256; from DRAM 2 x 8 took 1.4x its
-// time (each register tile streams half of every pair row), and 1 x 16 (16 token row
-// pointers: more than the general registers) 6x.
+// One vdpbf16ps per vector of experts and token: 4 x 4 accumulators. 4 x 6 was no faster,
+// 2 x 8 slower from DRAM (each register tile streams half of every pair row), and 1 x 16
+// needs 16 token row pointers, more than the general registers.
 struct PairDot : PairDotAvx512 {
   static constexpr int kVectors = 4, kTokens = 4, kAccumulators = 16;
   static constexpr int kRegisters = 32, kPairRegisters = 1;

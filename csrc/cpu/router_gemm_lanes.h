@@ -19,8 +19,8 @@ namespace {
 
 // Batches of 5 or more bf16 tokens on avx512bf16: tokens in the vector lanes. The register
 // tiles reload their 4 token rows for every 6 weight rows; with several token blocks both
-// operands stream into L1 from L2 (10 lines per 24 dot products) and the tiles ran at 55-65%
-// of the vdpbf16ps peak (two per cycle on Zen 5). Here the activations are packed per call
+// operands stream into L1 from L2 (10 lines per 24 dot products) and the tiles ran well below
+// the vdpbf16ps peak (docs/notes/cpu-router-gemm.md). Here the activations are packed per call
 // into the thread's scratch (the weight is read as it is) so that a vector holds kPairs
 // consecutive bf16 pairs of each of 16 / kPairs tokens, and each weight's kPairs pairs are
 // broadcast from its nn.Linear row: one broadcast feeds every vector of tokens in the tile,
@@ -29,17 +29,16 @@ namespace {
 // logits depend on the call only through the layout its batch size picks.
 namespace lanes {
 
-// The layouts, by how many tokens are left to route (measured at E = 256 and 384, H = 7168,
-// two threads, against the register tiles and each other):
+// The layouts, by how many tokens are left to route, each the fastest tried for its range
+// against the register tiles and the other layouts (the figures: docs/notes/cpu-router-gemm.md):
 //   >= 25 tokens: 2 vectors of 16 tokens (1 pair per lane): 32 tokens per tile;
-//   17..24:       3 vectors of 8 tokens (2 pairs): T = 24 0.77x the time of two 16-token
-//                 vectors, whose second vector is mostly empty there;
-//   13..16:       2 vectors of 8 tokens: T = 16 0.63-0.68x the register tiles' time (a
-//                 single 16-token vector: 0.71-0.78x, one broadcast per dot product);
-//   9..12:        3 vectors of 4 tokens (4 pairs): T = 9..12 0.81-0.85x the tiles;
-//   5..8:         2 vectors of 4 tokens: T = 5 0.93x, T = 6..8 0.85-0.87x;
-//   fewer:        the register tiles (2 vectors of 2 tokens, 8 pairs each, were 1.02-1.18x
-//                 their time at T = 2..4).
+//   17..24:       3 vectors of 8 tokens (2 pairs): two 16-token vectors would leave the
+//                 second mostly empty;
+//   13..16:       2 vectors of 8 tokens (a single 16-token vector takes a broadcast per dot
+//                 product);
+//   9..12:        3 vectors of 4 tokens (4 pairs);
+//   5..8:         2 vectors of 4 tokens;
+//   fewer:        the register tiles (2 vectors of 2 tokens, 8 pairs each, were slower).
 // 8 experts per tile in every layout: 12 x 2, 6 x 4 and 16 x 1 tiles were slower.
 struct Layout {
   int pairs;    // consecutive bf16 pairs of a token in one vector: 1, 2 or 4
@@ -52,11 +51,10 @@ constexpr Layout kLayouts[kNumLayouts] = {{1, 2}, {2, 3}, {2, 2}, {4, 3}, {4, 2}
 constexpr int64_t kLayoutMinTokens[kNumLayouts] = {25, 17, 13, 9, 5};
 constexpr int64_t kLaneMinTokens = kLayoutMinTokens[kNumLayouts - 1];
 constexpr int kLaneExperts = 8;
-// Vector slots packed at a time (16, 3.6 MiB at H = 7168), so the weight is read from memory
-// once per call up to 224 tokens (256 for most sizes: a last group of 17..24 tokens takes
-// three slots). With the weight in the LLC, as in the Python benchmark, packing 2 at a time
-// is 5-8% faster at T = 64..256; with a gate from DRAM, as in a model, that would read it 8
-// times at T = 256.
+// Vector slots packed at a time (3.6 MiB at H = 7168), so the weight is read from memory once
+// per call up to 224 tokens (256 for most sizes: a last group of 17..24 tokens takes three
+// slots). Fewer slots were faster with the weight in the LLC, as in the Python benchmark, but
+// would read a gate from DRAM, as in a model, several times per call.
 constexpr int kPackedVectors = 16;
 
 // The 128-bit-lane half of a transpose: 4 * S vectors in which vector g * S + c holds, in

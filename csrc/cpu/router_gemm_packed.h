@@ -1,17 +1,15 @@
 // Part of cpu/router_gemm.cpp: the prepacked bf16 weight, every ISA. Its layout is documented,
 // and written, in cpu/router_weight_pack.h: experts in tiles of kRouterPackTile, a tile stored
 // pair row by pair row, row k holding the bf16 pair (h = 2k, 2k + 1) of each of its experts.
-// One pair row of a tile is a few consecutive vectors of experts, so a register
-// tile multiplies kVectors of them by a broadcast pair of each of kTokens tokens, and the
+// One pair row of a tile is a few consecutive vectors of experts, so a register tile
+// multiplies kVectors of them by a broadcast pair of each of kTokens tokens, and the
 // accumulators are the logits themselves: no horizontal sums, and a tile's weight is one
 // sequential stream. The broadcast token pairs stay in L1, where the nn.Linear layout's row
-// tiles re-read four token rows from L2 for every six experts: through torch.ops at H = 7168,
-// E = 256 and 384, two threads, weight in the LLC, T = 1 takes 0.91-0.93x their time, T = 2..4
-// 0.73-0.86x, T = 8..256 0.87-1.02x. With the weight coming from DRAM (the C++ benchmark's
-// rotated copies) T = 16..64 took 1.1-1.5x their time: the first token block of each pass
-// waits on memory. Software prefetch of the next pass during the other token blocks (one line
-// per pair step, the blocks taking turns) won that back from DRAM (T = 16 level with the row
-// tiles) but cost 17% at T = 16 from the LLC (25% with a line per vector), so there is none.
+// tiles re-read four token rows from L2 for every six experts: faster than them for decode
+// batches with the weight in the LLC, but slower at 16..64 tokens with the weight coming from
+// DRAM, where the first token block of each pass waits on memory. Software prefetch of the
+// next pass won that back from DRAM but cost more from the LLC, so there is none. (The
+// figures: docs/notes/cpu-router-gemm.md.)
 #pragma once
 
 #include <algorithm>
@@ -41,9 +39,7 @@ constexpr int64_t tile_vectors(int64_t tokens) {
 }
 // Past kTokens tokens, k is walked in passes of kChunkPairs pairs (the tile's 64 KiB of
 // weight for them stays in L2 while every token block uses it), the partial logits waiting
-// in the thread's scratch. Measured with a prototype of this kernel at H = 7168, E = 256,
-// T = 16..256, weight in the LLC: 128, 256 and 512 pairs within 3% of each other, 64 pairs
-// 3-5% slower, whole rows 1.4-1.6x the time.
+// in the thread's scratch: 128 to 512 pairs were as fast, fewer or whole rows slower.
 constexpr int64_t kChunkPairs = 256;
 // Tokens per sweep over the weight: bounds the scratch at kSweepTokens x kTile floats.
 constexpr int64_t kSweepTokens = 256;
@@ -79,7 +75,7 @@ inline void store_logits(const float* v, int n, bf16_t* out) {
 }
 
 // Every loop over the tile's tokens and vectors is unrolled by pragma: left to GCC 12's
-// heuristics, acc stayed an array in memory, stored back after every pair (2x the time).
+// heuristics, acc stayed an array in memory, stored back after every pair.
 template <typename Out, int V, int TB>
 void tile(const TileWork& a) {
   using D = PairDot;
@@ -105,8 +101,8 @@ void tile(const TileWork& a) {
   // Each pair's V weight vectors are held across the tokens, or its TB token pairs across the
   // vectors: the first, unless the accumulators and the weights would outgrow the registers
   // and fewer token pairs would not. AVX2's 8 x 1 and 4 x 2 tiles hold the token pairs (8
-  // accumulators, the pairs and one weight vector: 12 and 14 registers of 16): on Zen 3 T = 1
-  // and 2 took 0.85x and 0.7x the time of holding the weights (E = 256 and 384, H = 7168).
+  // accumulators, the pairs and one weight vector: 12 and 14 registers of 16), which ran
+  // T = 1 and 2 faster than holding the weights.
   constexpr bool kTokensFirst = TB < V && V * TB + (V + 1) * D::kPairRegisters > D::kRegisters;
   for (int64_t k = a.k_begin; k < full_end; ++k) {
     if constexpr (kTokensFirst) {
@@ -158,7 +154,7 @@ void tile(const TileWork& a) {
     return;
   }
   // Every accumulator stored before the first copy out: one that lived across a copy's
-  // library call was kept in memory all along (GCC 12 spilled 6 of AVX2's 8 in the pair loop).
+  // library call was kept in memory all along, spilled in the pair loop too.
   float logits[TB][V * D::kLanes];
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t) {

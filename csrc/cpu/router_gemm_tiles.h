@@ -18,19 +18,15 @@
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
 
-// Tile shape and pass length, tuned with bf16 at H = 7168 on an AMD EPYC (Zen 5, family 26).
-// A tile is kExperts weight rows x kTokens tokens whose accumulators, weight operands and
-// token operand all sit in the vector registers. With 32 registers: 6 x 4 where an operand
-// is one register, 4 x 4 on the shifting path where a bf16 operand is two (6 x 4 would
-// spill). 6 rows beat 4 by ~20% at T = 4..256 (fewer loads per dot product); 7 x 3 and
-// 4 x 6 were slower. With 16 (AVX2, and the portable path on x86-64): 4 x 2, or 3 x 2 with
-// two-register bf16 operands.
+// A tile's accumulators, weight operands and token operand all sit in the vector registers.
+// With 32 registers: 6 x 4 where an operand is one register (fewer loads per dot product
+// than 4 x 4; 7 x 3 and 4 x 6 were slower), 4 x 4 on the shifting path where a bf16
+// operand is two (6 x 4 would spill). With 16: 4 x 2, or 3 x 2.
 // With more than one token block, H is walked in passes of kChunk elements; the unreduced
-// accumulators wait in a scratch array between passes. Re-measured at H = 7168 (one thread,
-// fresh weights per call): whole rows in one pass are fastest, 12-17% ahead of 2048-element
-// passes at T = 16..256 (the tile's weight rows, 86 KiB, stay in L2 for every token block
-// either way, and fewer passes save the scratch traffic); 1024 was slower still. So passes
-// only start past 8192, where a tile's rows would outgrow a 1 MiB L2 share.
+// accumulators wait in a scratch array between passes. Whole rows in one pass were fastest
+// while a tile's rows stay in L2 for every token block (fewer passes, less scratch traffic),
+// so passes only start past 8192, where a tile's rows would outgrow a 1 MiB L2 share.
+// (The measurements: docs/notes/cpu-router-gemm.md.)
 template <typename In>
 struct TileShape {
   static_assert(kVectorRegisters == 16 || kVectorRegisters == 32, "tiles for 16 or 32 registers");
@@ -45,9 +41,8 @@ struct TileShape {
                 "the tile's accumulators and operands must fit the vector registers");
   static_assert(kChunk % 32 == 0, "passes must end on whole vector steps");
 };
-// Threads split the experts at multiples of this. Whole tiles (12) left one thread of two
-// 132 of 256 experts; an even split with a narrower tile at the end of each range is 2-4%
-// faster at E = 256, T = 1..64 (measured 2 = 1 > 6 > 12), and the same at E = 384.
+// Threads split the experts at multiples of this: an even split, each range ending in a
+// narrower tile, beat whole tiles (12 left one thread of two 132 of 256 experts).
 constexpr int kExpertBlock = 2;
 
 inline void store_logit(float v, float* out) { *out = v; }
