@@ -237,23 +237,22 @@ void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t ex
 }
 
 int64_t router_gemm_expert_block(const RouterGemmParams& params) {
-  if (params.weight_prepacked) return kRouterPackTile;
   switch (cpu_isa_active()) {
     case CpuIsa::kAvx512Bf16:
 #if defined(MOEEXT_HAVE_AVX512BF16)
-      return cpu::avx512bf16::router_gemm_expert_block();
+      return cpu::avx512bf16::plan_router_gemm(params).expert_block;
 #endif
     case CpuIsa::kAvx512:
 #if defined(MOEEXT_HAVE_AVX512)
-      return cpu::avx512::router_gemm_expert_block();
+      return cpu::avx512::plan_router_gemm(params).expert_block;
 #endif
     case CpuIsa::kAvx2:
 #if defined(MOEEXT_HAVE_AVX2)
-      return cpu::avx2::router_gemm_expert_block();
+      return cpu::avx2::plan_router_gemm(params).expert_block;
 #endif
     case CpuIsa::kAuto:
     case CpuIsa::kPortable:
-      return cpu::portable::router_gemm_expert_block();
+      return cpu::portable::plan_router_gemm(params).expert_block;
   }
   return 1;
 }

@@ -340,32 +340,23 @@ def router_gemm(
     return torch.ops.moeext.router_gemm(hidden_states, weight, out_dtype)
 
 
-# Experts per tile of the prepacked layout; the kernels' kRouterPackTile.
-ROUTER_PACK_TILE = 64
-
-
 def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     """The router weight in the layout the CPU ``router_gemm`` reads fastest, made once.
 
-    ``router_gemm`` accepts the result in place of ``weight``. The experts are cut into tiles
-    of 64 (the last one narrower), and each tile is stored as ``[ceil(H / 2)][width][2]``:
-    for k = 0, 1, ..., the bf16 pair ``(h = 2k, 2k + 1)`` of every expert of the tile (an odd
-    ``H``'s last pair padded with zero); the tiles follow each other. A register tile of the
+    ``router_gemm`` accepts the result in place of ``weight``. The layout
+    (``csrc/cpu/router_weight_pack.h`` describes it, and the same file writes it): experts in
+    tiles of 64 (the last one narrower), each tile stored as ``[ceil(H / 2)][width][2]``, the
+    bf16 pair ``(h = 2k, 2k + 1)`` of every expert of the tile for k = 0, 1, ... (an odd
+    ``H``'s last pair padded with zero), the tiles one after the other. A register tile of the
     kernel then multiplies whole vectors of experts by one broadcast pair of each token, with
-    the tokens in L1 and the weight in one sequential stream. Measured at H = 7168, E = 256
-    and 384 on two cores (docs/PERFORMANCE.md): 0.71-0.86x the time of the ``nn.Linear``
-    layout at 2 to 4 tokens, 0.91-0.94x at 1; from 8 tokens up level with it while the weight
-    is in the last-level cache, but up to 1.5x slower at 16 to 64 tokens when it comes from
-    DRAM. It pays for decode batches of up to about 8 tokens there. On the portable path it
-    was slower than the ``nn.Linear`` layout where measured (x86-64's SSE2 code: 1.5x the
-    time at one token); aarch64 is untimed.
+    the tokens in L1 and the weight in one sequential stream. It pays for decode batches of up
+    to about 8 tokens on AVX512-BF16, and for single tokens on AVX2 (docs/PERFORMANCE.md).
 
     The result is opaque: its shape ``[ceil(H / 2), E, 2]`` carries the sizes, but it is no
     view of ``weight`` (``reference.unpack_router_weight`` inverts it). It is a copy: keep it
-    instead of ``weight``, not beside it, and prepack again if the weight changes. Call it at
-    load time, never per forward, on ``weight.detach()`` or under ``torch.no_grad()``: the
-    packed layout has no gradient formula, so ``router_gemm`` refuses a packed copy that
-    requires grad (as one made from a gate's parameter in grad mode does).
+    instead of ``weight``, not beside it, and prepack again if the weight changes. It never
+    requires grad: the layout has no gradient formula, so call it at load time, not per
+    forward.
 
     Args:
         weight: ``[num_experts, hidden_size]`` bfloat16 CPU tensor (a gate's
@@ -390,16 +381,8 @@ def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.device.type != "cpu":
         raise ValueError(f"{op}: the prepacked layout is read by the CPU kernels only; weight is "
                          f"on {weight.device} (pass it to router_gemm as it is)")
-    num_experts, hidden_size = weight.shape
-    pairs = (hidden_size + 1) // 2
-    padded = torch.nn.functional.pad(weight, (0, 2 * pairs - hidden_size))
-    pairs_of = padded.reshape(num_experts, pairs, 2)
-    num_whole = num_experts // ROUTER_PACK_TILE
-    whole_tiles = pairs_of[:num_whole * ROUTER_PACK_TILE].reshape(num_whole, ROUTER_PACK_TILE,
-                                                                   pairs, 2)
-    tiles = [whole_tiles.permute(0, 2, 1, 3).reshape(-1),
-             pairs_of[num_whole * ROUTER_PACK_TILE:].permute(1, 0, 2).reshape(-1)]
-    return torch.cat(tiles).view(pairs, num_experts, 2)
+    # A tensor subclass (a Parameter is one) is read as the plain tensor it holds.
+    return _C.prepack_router_weight(weight.detach().as_subclass(torch.Tensor))
 
 
 def zero_tail_(buf: torch.Tensor, new_extent: int, prev_extent: int) -> None:

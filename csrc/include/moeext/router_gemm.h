@@ -7,7 +7,7 @@
 
 namespace moeext {
 
-// Experts per tile of a prepacked router weight (see RouterGemmParams::weight_prepacked).
+// Experts per tile of a prepacked router weight (the layout: csrc/cpu/router_weight_pack.h).
 constexpr int64_t kRouterPackTile = 64;
 
 // logits[t][e] = sum_h hidden[t][h] * weight[e][h], accumulated in fp32. All strides are in
@@ -17,10 +17,8 @@ struct RouterGemmParams {
   int64_t hidden_row_stride = 0;
   const void* weight = nullptr;  // [num_experts, hidden_size], the nn.Linear layout
   int64_t weight_row_stride = 0;
-  // Or, bf16 only (CPU), the contiguous prepacked weight of moeext.prepack_router_weight:
-  // experts in tiles of kRouterPackTile (the last one narrower), tile i stored as
-  // [ceil(hidden_size / 2)][width_i][2]: the pair (h = 2k, 2k + 1) of each of its experts, an
-  // odd hidden_size's last pair padded with zero; the tiles one after the other.
+  // Or, bf16 only (CPU), the contiguous prepacked weight: the layout csrc/cpu/router_weight_pack.h
+  // documents and prepack_router_weight_cpu writes (weight_row_stride unused).
   bool weight_prepacked = false;
   DType input_dtype = DType::kBFloat16;  // of both inputs
 
@@ -55,6 +53,24 @@ inline int64_t router_gemm_cpu_grain(const RouterGemmParams& params, int64_t exp
   const int64_t grain = (int64_t(1) << 19) / (work_per_block > 1 ? work_per_block : 1);
   return grain > 1 ? grain : 1;
 }
+
+// A bf16 router weight to write in the prepacked layout of RouterGemmParams::weight_prepacked
+// (csrc/cpu/router_weight_pack.h). Strides in elements, any of them: a transposed or sliced
+// view packs without a copy.
+struct RouterWeightPackParams {
+  const void* weight = nullptr;  // [num_experts, hidden_size]
+  int64_t weight_row_stride = 0;
+  int64_t weight_col_stride = 1;
+  void* packed = nullptr;  // ceil(hidden_size / 2) * num_experts * 2 elements, contiguous
+  int64_t num_experts = 0;
+  int64_t hidden_size = 0;
+};
+
+// Writes the packed elements of experts [expert_begin, expert_end) on the calling thread,
+// and nothing else: each expert's elements are its own, so callers may split the experts
+// between threads anywhere. Made once at load time, never per call.
+void prepack_router_weight_cpu(const RouterWeightPackParams& params, int64_t expert_begin,
+                               int64_t expert_end);
 
 // The GPU small-T kernel: whether it takes these params (few tokens, hidden_size a multiple
 // of 8, 16-byte aligned rows) and beats the platform GEMM on the current device for them

@@ -272,6 +272,53 @@ const DirectCallRegistration kDirectCall{
     "moeext.router_gemm's direct call of the op: all three arguments positionally, of the "
     "plain Python types; returns NotImplemented for anything else."};
 
+// ---- The prepacked layout, written once at load time -------------------------------------
+// No op: a load-time layout change of a CPU weight, with no gradient and no GPU form.
+
+at::Tensor prepack(const at::Tensor& weight) {
+  constexpr const char* op = "prepack_router_weight";
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  weight.scalar_type() == at::kBFloat16,
+              op, ": weight must be a 2-D bfloat16 CPU tensor, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  const int64_t num_experts = weight.size(0), hidden_size = weight.size(1);
+  at::Tensor packed = Cpu::empty({(hidden_size + 1) / 2, num_experts, 2}, at::kBFloat16, weight);
+  RouterWeightPackParams p;
+  p.weight = weight.data_ptr();
+  p.weight_row_stride = weight.stride(0);
+  p.weight_col_stride = weight.stride(1);
+  p.packed = packed.data_ptr();
+  p.num_experts = num_experts;
+  p.hidden_size = hidden_size;
+  // Streams at memory speed: a few MiB per thread.
+  parallel_for(0, num_experts, std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, 2 * hidden_size)),
+               [&](int64_t begin, int64_t end) { prepack_router_weight_cpu(p, begin, end); });
+  return packed;
+}
+
+// moeext.prepack_router_weight's call: the weight, an exact torch.Tensor (the wrapper checks
+// and explains the rest).
+PyObject* prepack_call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  at::Tensor weight;
+  if (nargs != 1 || !parse(args[0], weight)) {
+    PyErr_SetString(PyExc_TypeError, "prepack_router_weight: weight must be a torch.Tensor");
+    return nullptr;
+  }
+  at::Tensor packed;
+  {
+    ReleaseGilIf no_gil(weight.numel() >= (int64_t(1) << 16));
+    packed = prepack(weight);
+  }
+  return to_python(packed);
+  END_HANDLE_TH_ERRORS
+}
+
+const DirectCallRegistration kPrepack{
+    "prepack_router_weight", &prepack_call,
+    "The [ceil(H / 2), E, 2] prepacked layout of a bf16 CPU router weight [E, H] (any strides); "
+    "see moeext.prepack_router_weight."};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moeext, CPU, m) {
