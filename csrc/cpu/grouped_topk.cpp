@@ -26,78 +26,66 @@
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
 
-// Whole blocks of rows [row_begin, row_end) in lanes, where the call allows it; returns the
-// first row left to route_rows.
+// route_lane_blocks with the slots' count topk a compile-time one.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
-int64_t route_in_lanes(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
-                       int64_t row_end, const GroupedTopkWorkspace& ws) {
-  if constexpr (kRowsInLanes && kScore != ScoringFunc::kSqrtSoftplus) {
-    constexpr bool has_bias = !std::is_same_v<BiasT, no_bias_t>;
-    const bool fits = p.num_experts <= kLaneMaxExperts;
-    if (ws.lane_rows == nullptr || !fits || p.gating_col_stride != 1 ||
-        p.topk > kLaneMaxTopk || p.num_expert_group > kLaneMaxGroups ||
-        (has_bias && p.topk_group != p.num_expert_group)) {
-      return row_begin;
-    }
-    if constexpr (W < kLaneRows) {
-      if (p.topk_group == p.num_expert_group &&
-          p.num_experts * p.topk > kLaneMaxOffersAllKept) {
-        return row_begin;
-      }
-    }
-    const int64_t end = row_begin + (row_end - row_begin) / W * W;
-    switch (p.topk) {
-      case 1: route_lane_blocks<kScore, 1, LogitT>(p, bias, row_begin, end, ws); break;
-      case 2: route_lane_blocks<kScore, 2, LogitT>(p, bias, row_begin, end, ws); break;
-      case 3: route_lane_blocks<kScore, 3, LogitT>(p, bias, row_begin, end, ws); break;
-      case 4: route_lane_blocks<kScore, 4, LogitT>(p, bias, row_begin, end, ws); break;
-      case 5: route_lane_blocks<kScore, 5, LogitT>(p, bias, row_begin, end, ws); break;
-      case 6: route_lane_blocks<kScore, 6, LogitT>(p, bias, row_begin, end, ws); break;
-      case 7: route_lane_blocks<kScore, 7, LogitT>(p, bias, row_begin, end, ws); break;
-      default: route_lane_blocks<kScore, 8, LogitT>(p, bias, row_begin, end, ws); break;
-    }
-    return end;
-  } else {
-    return row_begin;
+void route_lane_blocks_of_topk(const BiasedGroupedTopkParams& p, const BiasT* bias,
+                               int64_t row_begin, int64_t row_end,
+                               const GroupedTopkWorkspace& ws) {
+  switch (p.topk) {
+    case 1: route_lane_blocks<kScore, 1, LogitT>(p, bias, row_begin, row_end, ws); break;
+    case 2: route_lane_blocks<kScore, 2, LogitT>(p, bias, row_begin, row_end, ws); break;
+    case 3: route_lane_blocks<kScore, 3, LogitT>(p, bias, row_begin, row_end, ws); break;
+    case 4: route_lane_blocks<kScore, 4, LogitT>(p, bias, row_begin, row_end, ws); break;
+    case 5: route_lane_blocks<kScore, 5, LogitT>(p, bias, row_begin, row_end, ws); break;
+    case 6: route_lane_blocks<kScore, 6, LogitT>(p, bias, row_begin, row_end, ws); break;
+    case 7: route_lane_blocks<kScore, 7, LogitT>(p, bias, row_begin, row_end, ws); break;
+    default: route_lane_blocks<kScore, 8, LogitT>(p, bias, row_begin, row_end, ws); break;
   }
 }
 
-// One call's rows: by the candidate pass where it applies (sqrt-softplus, every group kept,
-// a floor from the lanes, contiguous logits to read the candidates' from, a finite bias),
-// else exactly.
+// One call's rows by the plan's strategy (cpu/grouped_topk_plan.h). Only what depends on the
+// data is decided here: a bias that is not finite sends the candidate pass to exact rows.
+// Each strategy is compiled only for the scoring functions and ISAs the plan gives it to.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
 void route(const BiasedGroupedTopkParams& p, const BiasT* bias, int64_t row_begin,
-           int64_t row_end, const GroupedTopkWorkspace& ws) {
-  if constexpr (kScore == ScoringFunc::kSqrtSoftplus) {
-    if (p.topk_group == p.num_expert_group && p.topk <= 2 * W && p.gating_col_stride == 1 &&
-        ws.score_pieces != nullptr) {
-      const float margin = approx_margin(bias, p.num_experts);
-      if (margin > 0.0f) {
-        if constexpr (kApproxRowsInLanes) {
-          if (ws.lane_rows != nullptr && p.topk <= kApproxLaneMaxTopk &&
-              p.num_experts <= kApproxLaneMaxExperts) {
-            for (; row_begin + W <= row_end; row_begin += W) {
+           int64_t row_end, const GroupedTopkPlan& plan, const GroupedTopkWorkspace& ws) {
+  const int64_t lane_blocks_end = row_begin + plan.lane_block_rows;
+  switch (plan.strategy) {
+    case GroupedTopkStrategy::kApproxRows:
+    case GroupedTopkStrategy::kApproxLaneBlocks:
+      if constexpr (kScore == ScoringFunc::kSqrtSoftplus) {
+        const float margin = approx_margin(bias, p.num_experts);
+        if (margin > 0.0f) {
+          if constexpr (kApproxRowsInLanes) {
+            for (; row_begin < lane_blocks_end; row_begin += W) {
               route_approx_lane_block<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, margin,
                                                              ws);
             }
           }
+          if (row_begin < row_end) {
+            route_rows_by_approx<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, margin, ws);
+          }
+          return;
         }
-        if (row_begin < row_end) {
-          route_rows_by_approx<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, margin, ws);
-        }
-        return;
       }
-    }
+      break;
+    case GroupedTopkStrategy::kLaneBlocks:
+      if constexpr (kRowsInLanes && kScore != ScoringFunc::kSqrtSoftplus) {
+        route_lane_blocks_of_topk<kScore, LogitT, BiasT>(p, bias, row_begin, lane_blocks_end, ws);
+        row_begin = lane_blocks_end;
+      }
+      break;
+    case GroupedTopkStrategy::kRows:
+      break;
   }
-  row_begin = route_in_lanes<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
   if (row_begin < row_end) route_rows<kScore, LogitT, BiasT>(p, bias, row_begin, row_end, ws);
 }
 
 template <ScoringFunc kScore, typename LogitT>
 void route_rows_for_bias(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
-                         const GroupedTopkWorkspace& ws) {
+                         const GroupedTopkPlan& plan, const GroupedTopkWorkspace& ws) {
   if (p.correction_bias == nullptr) {
-    route<kScore, LogitT, no_bias_t>(p, nullptr, row_begin, row_end, ws);
+    route<kScore, LogitT, no_bias_t>(p, nullptr, row_begin, row_end, plan, ws);
     return;
   }
   if (p.bias_stride != 1) {
@@ -111,37 +99,38 @@ void route_rows_for_bias(const BiasedGroupedTopkParams& p, int64_t row_begin, in
         case DType::kFloat16: ws.bias[e] = to_float(static_cast<const fp16_t*>(p.correction_bias)[at]); break;
       }
     }
-    route<kScore, LogitT, float>(p, ws.bias, row_begin, row_end, ws);
+    route<kScore, LogitT, float>(p, ws.bias, row_begin, row_end, plan, ws);
     return;
   }
   switch (p.bias_dtype) {
     case DType::kFloat32:
       route<kScore, LogitT, float>(p, static_cast<const float*>(p.correction_bias), row_begin,
-                                   row_end, ws);
+                                   row_end, plan, ws);
       break;
     case DType::kBFloat16:
       route<kScore, LogitT, bf16_t>(p, static_cast<const bf16_t*>(p.correction_bias),
-                                    row_begin, row_end, ws);
+                                    row_begin, row_end, plan, ws);
       break;
     case DType::kFloat16:
       route<kScore, LogitT, fp16_t>(p, static_cast<const fp16_t*>(p.correction_bias),
-                                    row_begin, row_end, ws);
+                                    row_begin, row_end, plan, ws);
       break;
   }
 }
 
 template <ScoringFunc kScore>
 void route_rows_for_logits(const BiasedGroupedTopkParams& p, int64_t row_begin,
-                           int64_t row_end, const GroupedTopkWorkspace& ws) {
+                           int64_t row_end, const GroupedTopkPlan& plan,
+                           const GroupedTopkWorkspace& ws) {
   switch (p.gating_dtype) {
     case DType::kFloat32:
-      route_rows_for_bias<kScore, float>(p, row_begin, row_end, ws);
+      route_rows_for_bias<kScore, float>(p, row_begin, row_end, plan, ws);
       break;
     case DType::kBFloat16:
-      route_rows_for_bias<kScore, bf16_t>(p, row_begin, row_end, ws);
+      route_rows_for_bias<kScore, bf16_t>(p, row_begin, row_end, plan, ws);
       break;
     case DType::kFloat16:
-      route_rows_for_bias<kScore, fp16_t>(p, row_begin, row_end, ws);
+      route_rows_for_bias<kScore, fp16_t>(p, row_begin, row_end, plan, ws);
       break;
   }
 }
@@ -149,16 +138,16 @@ void route_rows_for_logits(const BiasedGroupedTopkParams& p, int64_t row_begin,
 }  // namespace
 
 void biased_grouped_topk(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end,
-                         const GroupedTopkWorkspace& ws) {
+                         const GroupedTopkPlan& plan, const GroupedTopkWorkspace& ws) {
   switch (p.scoring_func) {
     case ScoringFunc::kSigmoid:
-      route_rows_for_logits<ScoringFunc::kSigmoid>(p, row_begin, row_end, ws);
+      route_rows_for_logits<ScoringFunc::kSigmoid>(p, row_begin, row_end, plan, ws);
       break;
     case ScoringFunc::kSqrtSoftplus:
-      route_rows_for_logits<ScoringFunc::kSqrtSoftplus>(p, row_begin, row_end, ws);
+      route_rows_for_logits<ScoringFunc::kSqrtSoftplus>(p, row_begin, row_end, plan, ws);
       break;
     case ScoringFunc::kSoftmax:
-      route_rows_for_logits<ScoringFunc::kSoftmax>(p, row_begin, row_end, ws);
+      route_rows_for_logits<ScoringFunc::kSoftmax>(p, row_begin, row_end, plan, ws);
       break;
   }
 }

@@ -20,21 +20,19 @@ namespace {
 // scores are top-2 sums, left to route_rows. Each row is scored by the functions route_rows
 // uses, b and the weights are computed with store_biased's and write_row_outputs' operations
 // in their order, so the outputs are route_rows' bit for bit.
-// On AVX-512 (16 rows a block) and AVX2 (8; its insertion holds its masks as whole lanes, see
-// Vec::LaneMask). Not on the portable layer, which serves aarch64: untimed there.
-constexpr bool kRowsInLanes = W == kLaneRows || MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2;
-// The candidate pass in lanes marks experts in 64-bit words of four 16-lane vectors.
-constexpr bool kApproxRowsInLanes = W == kLaneRows;
-constexpr int64_t kLaneMaxTopk = 8;
-constexpr int64_t kLaneMaxGroups = 16;
-// Where every group is kept, every expert is offered to the topk slots. A block of 8 rows
-// shares each offer between half the rows a block of 16 does, and AVX2's 16 registers barely
-// hold 8 slots and their ids: on Zen 3 the row pass was faster past about 768 offers x slots
-// per row (E = 160 rows took 1.27x the row pass's time at topk = 8, the same at 6; E = 64 at
-// topk = 8 0.78x, E = 128 at topk = 6 0.91x). Groups dropped (the insertion offered only the
-// kept groups' experts) measured faster everywhere: DeepSeek-V2's shape 0.62-0.69x at topk
-// <= 6, E = 256 in 8 groups at topk = 8 0.97x.
-constexpr int64_t kLaneMaxOffersAllKept = 768;
+// Which ISAs have it, and which calls take it, is the plan's (cpu/grouped_topk_plan.h).
+#if MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx512
+constexpr GroupedTopkIsa kIsa = kGroupedTopkAvx512;
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_avx2
+constexpr GroupedTopkIsa kIsa = kGroupedTopkAvx2;
+#elif MOEEXT_ISA_ID(MOEEXT_CPU_ISA) == MOEEXT_ISA_portable
+constexpr GroupedTopkIsa kIsa = kGroupedTopkPortable;
+#else
+#error "the routing kernel has no plan for this MOEEXT_CPU_ISA"
+#endif
+static_assert(kIsa.lanes == W, "a block of rows in lanes is a vector's lanes");
+constexpr bool kRowsInLanes = kIsa.rows_in_lanes;
+constexpr bool kApproxRowsInLanes = kIsa.approx_rows_in_lanes;
 
 // The lanes' best K values v so far, best first, and their experts' ids (as floats, exact far
 // past kLaneMaxExperts); slots filled..K-1 are empty. x, of expert x_id, goes after every
