@@ -1,5 +1,5 @@
 """Host unit tests of the logic the GPU kernels share with the host (csrc/gpu/*.h), and of
-the CPU kernels' portable pieces (csrc/cpu/score_pieces.h, vec_math.h).
+the CPU kernels' portable pieces (csrc/cpu/score_pieces.h, vec_math.h, grouped_topk_plan.h).
 
 Each tests/cpp/test_*.cpp is one program that includes a header, checks it, and exits
 non-zero on a failure. They need only a C++ compiler, so they run here on every machine, GPU
