@@ -11,7 +11,8 @@
 // keys (the insertion fallback), a key packs a value and an index into one integer, so that
 // "larger value, then lower index" is a single unsigned compare.
 // The headers below hold step 1, steps 2 to 4, and the strategies over them; this file the
-// switches from a call's dtypes, bias and scoring function to their template instances.
+// switches from a call's dtypes, bias and scoring function to their template instances. The
+// measurements behind the code's choices are in docs/notes/cpu-routing.md.
 #include <cstdint>
 
 #include "cpu/grouped_topk_isa.h"

@@ -14,9 +14,9 @@ namespace {
 
 // The candidate pass: sqrt-softplus rows (DeepSeek-V4) with every group kept.
 //
-// An exact sqrt-softplus score (exp, log1p and sqrt) costs about 20 cycles per vector of 16
-// experts on Zen 5, and all but the few chosen experts' are thrown away. The cubic pieces of
-// cpu/score_pieces.h cost 7 and are within eps = kScoreApproxError of the exact score s. So
+// An exact sqrt-softplus score (exp, log1p and sqrt) costs several times what the cubic
+// pieces of cpu/score_pieces.h cost, and all but the few chosen experts' are thrown away.
+// The pieces are within eps = kScoreApproxError of the exact score s. So
 // the row is first ranked on b~ = s~ + bias: with |s~ - s| <= eps, |b~ - b| <= delta = eps +
 // the rounding of the two bias additions. The floor F of b~ (k distinct experts at or above
 // it, from the lanes as in step 4a) has k experts with b >= F - delta, so every expert the
@@ -24,9 +24,8 @@ namespace {
 // b~ >= F - 2 delta are scored exactly, with the very operations of the exact path, and
 // ranked as step 4 ranks: the result is the exact path's bit for bit. Rows the pieces do not
 // cover (a logit outside [-16, 16), NaN or inf) and rows with more than kMaxCandidates
-// candidates (near-ties) take the exact path. Sigmoid rows stay exact: their exact score
-// costs 14 cycles a vector, and with the pass Kimi-K2, GLM-4.5 and Nemotron-style rows
-// measured 0.94-1.16x their time, no clear gain.
+// candidates (near-ties) take the exact path. Sigmoid rows stay exact: their exact score is
+// cheaper, and the pass gained nothing clear on them.
 
 // Step 1 on the pieces: b~ into approx_b, the lanes tracked as score_row tracks them.
 // Returns false when a logit lies outside the pieces.
@@ -44,8 +43,8 @@ MOEEXT_ALWAYS_INLINE bool approx_score_row(const LogitT* logits, const BiasT* bi
   };
   int64_t paired_end = 0;
   // bf16 logits two vectors at a time, widened by shifts and scored in even / odd order, the
-  // approximations put back in index order by two permutes (Vec::load_pair): DeepSeek-V4-pro
-  // rows 0.96-0.99x the time on AVX-512, 0.95x on AVX2.
+  // approximations put back in index order by two permutes: cheaper than widening each
+  // vector across its lanes (Vec::load_pair).
   if constexpr (std::is_same_v<LogitT, bf16_t> && Vec::kHasBf16Pairs) {
     const auto all = Vec::tail_mask(W);
     for (int64_t e = 0; e + 2 * W <= num_experts; e += 2 * W, paired_end = e) {
@@ -87,7 +86,7 @@ bool select_by_approx(const LogitT* logits, const BiasT* bias, int64_t num_exper
     const auto m = Vec::tail_mask(count - i);
     // score() and the bias sum as score_row and store_biased compute them, lane by lane.
     // The first W from the register: loaded back, they would span several of the packing's
-    // stores and wait for them to reach the cache (DeepSeek-V4 rows 0.96-0.97x the time).
+    // stores and wait for them to reach the cache.
     const Vec x = i == 0 ? Vec::select(m, packed, Vec::set1(0.0f))
                          : Vec::load(ws.candidates + i, m, 0.0f);
     const Vec s = score<kScore>(x);
@@ -127,10 +126,8 @@ float approx_margin(const BiasT* bias, int64_t num_experts) {
 }
 
 // Rows of a large T come from L3 or DRAM. The exact path's rows are long enough for the
-// hardware prefetcher to keep up; the candidate pass's are not (DeepSeek-V4-pro rows from
-// DRAM took 1.6x their time from L2). A software prefetch kPrefetchRows rows ahead of the
-// row being scored hides it: they then run as from L2. (The exact path measured the same
-// with it and without.)
+// hardware prefetcher to keep up; the candidate pass's are not. A software prefetch
+// kPrefetchRows rows ahead of the row being scored hides the latency.
 constexpr int64_t kPrefetchRows = 4;
 template <typename LogitT>
 MOEEXT_ALWAYS_INLINE void prefetch_row(const LogitT* row, int64_t num_experts) {
@@ -142,8 +139,8 @@ MOEEXT_ALWAYS_INLINE void prefetch_row(const LogitT* row, int64_t num_experts) {
 
 // Rows [row_begin, row_end) by the candidate pass (see select_by_approx), pipelined as
 // route_rows is; a row the pass cannot take is routed by route_rows alone. Kept out of
-// route_rows, which compiles as before: with the pass inlined into it, exact rows measured
-// 4-16% slower even where the pass never ran.
+// route_rows, which then compiles as without it: inlined into it, the pass slowed exact rows
+// even where it never ran.
 template <ScoringFunc kScore, typename LogitT, typename BiasT>
 [[gnu::noinline]] void route_rows_by_approx(const BiasedGroupedTopkParams& p, const BiasT* bias,
                                             int64_t row_begin, int64_t row_end, float margin,

@@ -23,7 +23,7 @@ namespace {
 // the outputs are the row pass's bit for bit. A row the lanes cannot settle (not covered by
 // the pieces, or too close to call within the slots) is routed by the row pass.
 // Two slots more than topk: a row then fails to settle only where its topk-th and
-// (topk + 2)-th b~ lie within the margin (0.3% of DeepSeek-V4-pro's rows in the benchmark).
+// (topk + 2)-th b~ lie within the margin, a small fraction of rows.
 constexpr int kApproxLaneSlots = int(kApproxLaneMaxTopk) + 2;
 static_assert(!kApproxRowsInLanes || kApproxLaneMaxTopk <= kLaneMaxK,
               "the floor comes from the lane maxima");

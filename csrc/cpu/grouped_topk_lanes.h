@@ -105,8 +105,8 @@ MOEEXT_ALWAYS_INLINE void write_lane_outputs(const BiasedGroupedTopkParams& p, i
 // Step 4 where not every group is kept (no bias): lane by lane, expert i of the q-th kept
 // group (in group order) is picked from the groups' expert i by selects, for q and then i in
 // order, so that each lane meets its kept experts in index order. (A gather per expert
-// instead cost 16 cycles on Zen 5: DeepSeek-V2 rows 1.1x the time.) kGroups is num_groups
-// where it is a compile-time count, else 0.
+// instead is slower than the selects.) kGroups is num_groups where it is a compile-time
+// count, else 0.
 template <int kGroups, int K>
 MOEEXT_ALWAYS_INLINE void offer_kept_groups(
     const float* b, int64_t num_groups_at_run_time, int64_t group_size, int64_t topk_group,
@@ -149,9 +149,8 @@ MOEEXT_ALWAYS_INLINE void score_row_strided(const LogitT* logits, int64_t num_ex
 // Softmax rows are scored in lanes on AVX2, the W rows side by side after the tiles'
 // transpose. Row by row, each row was one chain of passes joined by horizontal steps (its
 // maximum; its sum and one divide), which the next row could not overlap; in lanes the W
-// chains run as one. On Zen 3, one thread: DeepSeek-V2 rows 0.86-0.90x the time, E = 60 topk
-// 4 0.65x, E = 8 topk 2 0.74x, E = 64 topk 6 0.96x (softmax_lanewise says why the outputs
-// stay the row path's). AVX-512, untimed since, keeps the row functions.
+// chains run as one (softmax_lanewise says why the outputs stay the row path's). AVX-512
+// keeps the row functions: not measured in lanes.
 template <ScoringFunc kScore>
 constexpr bool kSoftmaxInLanes = kRowsInLanes && W < kLaneRows && kScore == ScoringFunc::kSoftmax;
 

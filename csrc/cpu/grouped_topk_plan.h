@@ -33,8 +33,9 @@ constexpr int64_t kLaneMaxTopk = 8;
 constexpr int64_t kLaneMaxGroups = 16;
 // Where every group is kept, every expert is offered to the topk slots. A block of 8 rows
 // shares each offer between half the rows a block of 16 does, and AVX2's 16 registers barely
-// hold 8 slots and their ids: past this many offers x slots per row the row strategy is the
-// faster one on 8 lanes (docs/notes/cpu-routing.md).
+// hold 8 slots and their ids: past this many offers x slots per row, rows one at a time are
+// faster on 8 lanes (docs/notes/cpu-routing.md). With groups dropped only the kept groups'
+// experts are offered, and the lanes stay the faster.
 constexpr int64_t kLaneMaxOffersAllKept = 768;
 // The candidate pass in lanes (route_approx_lane_block): routers of up to this many experts
 // (its marks are a fixed array of bits), and topk up to its slots less two.

@@ -50,8 +50,7 @@ MOEEXT_PORTABLE_INLINE Vec sqrt_softplus(Vec x, Vec exp_neg_abs) {
 #undef MOEEXT_PORTABLE_INLINE
 
 // Forced inline: on the portable layer GCC called the sigmoid out of line from the scoring
-// loop, a call per vector with the other live vectors spilled around it; inline, sigmoid rows
-// took 0.85-0.93x the time there (x86-64-v3 at 128-bit vectors). AVX2 rows unchanged.
+// loop, a call per vector with the other live vectors spilled around it.
 template <ScoringFunc kScore>
 MOEEXT_ALWAYS_INLINE Vec score(Vec x) {
   if constexpr (kScore == ScoringFunc::kSigmoid) {
@@ -95,7 +94,7 @@ inline void store_biased(Vec s, const BiasT* bias, int64_t e, typename Vec::Mask
 // exps, sum, scaling) that the next row cannot overlap, so its length is the row's cost: the
 // registers save it two store-and-reload passes, and one divide for the row followed by
 // products (as torch's softmax computes it) saves it the vector divides, which queue on the
-// divider. Together DeepSeek-V2 rows take 0.95x the time; either change alone measured none.
+// divider.
 // Returns whether the row is free of NaN (no NaN logit, and a finite maximum: +inf - +inf and
 // -inf - -inf are NaN). Vector i of the scores goes to scores + i * vector_stride.
 template <int kVecs, typename LogitT>
@@ -201,10 +200,7 @@ const float* score_row(const LogitT* logits, const BiasT* bias, int64_t num_expe
   } else {
     if constexpr (kScore == ScoringFunc::kSqrtSoftplus) {
       // In two passes, exp first, then log1p and sqrt: one vector's chain through all three
-      // is longer than the out-of-order window can overlap, and in passes each chain is
-      // short. Measured on Zen 3 (AVX2): 0.79x the scoring time of E = 256 and 384 rows
-      // (unrolling 2, 4 or 8 vectors changed nothing; sigmoid gains nothing either). On Zen 5
-      // (AVX-512): DeepSeek-V4-flash and -pro rows 0.92-0.93x the time, bit-identical.
+      // is longer than the out-of-order window overlaps; in passes each chain is short.
       for (int64_t e = 0; e < num_experts; e += W) {
         const Vec x = Vec::load(logits + e, Vec::tail_mask(num_experts - e), 0.0f);
         softplus_exp(x).store(scores + e);  // whole vectors: the rows are padded to 16

@@ -59,9 +59,7 @@ MOEEXT_ALWAYS_INLINE void rank_values(const float* values, int64_t n, Vec* rank,
   // values[j] beats the values of the vectors before its own where larger, and those of the
   // vectors after it where larger or equal; only in its own vector does the position decide
   // an equal value (count_beaten). The loop over j's vector unrolls, so each comparison is
-  // chosen at compile time: Nemotron-style rows (22 of 512 experts: two vectors of
-  // candidates or more) took 0.95x the time on a Zen 4 against one positional test per
-  // vector.
+  // chosen at compile time, not by a positional test per vector.
 #pragma GCC unroll 4
   for (int64_t jq = 0; jq < kVecs; ++jq) {
     const int64_t j_end = n < (jq + 1) * W ? n : (jq + 1) * W;
@@ -107,9 +105,8 @@ struct ChooseRanked {
 };
 
 // with_rank_vecs past three vectors: the least of kVecs..kMaxRankVecs vectors that covers n
-// (4 to 8 on the 8-lane layers, 4 on AVX-512). Padded to 8 vectors, Nemotron-style rows (22
-// of 512 experts, about 28 candidates) ranked twice the lanes they hold: AVX2 rows took 0.81x
-// the time at their own count.
+// (4 to 8 on the 8-lane layers, 4 on AVX-512): padded to the most, rows of a few dozen
+// candidates would rank up to twice the lanes they hold.
 template <template <int64_t> class Op, int64_t kVecs, typename... Args>
 MOEEXT_ALWAYS_INLINE auto with_rank_vecs_from(int64_t n, Args... args) {
   if constexpr (kVecs < kMaxRankVecs) {
@@ -170,7 +167,7 @@ inline GroupTop2 score_group_chunk(const float* b, int64_t group_size, int n) {
 // With groups and k <= 2 * topk_group, the groups' top-2 give a floor without reading b again
 // or sorting: the kept groups' largest and second largest b are 2 * topk_group distinct
 // experts, all at or above the least of the seconds. On DeepSeek-V3 it is as tight as the
-// lanes' floor (about 11 candidates either way).
+// lanes' floor.
 inline float lowest_kept_second(const float* group_seconds, int64_t group_size,
                                 const ExpertRange* ranges, int64_t num_ranges) {
   float lowest = std::numeric_limits<float>::infinity();
@@ -190,11 +187,10 @@ inline float lowest_kept_second(const float* group_seconds, int64_t group_size,
 // Up to W groups stay in one vector from their scores to the kept mask and the floor: ranked
 // lane against lane through permutes, the floor a masked minimum. Stored and read back (the
 // general path below) they put a store-to-load round trip, and the floor a loop with a
-// divide, on every row's critical path (DeepSeek-V3 rows 0.95x the time in registers, V2
-// unchanged). There, one range per kept group: the loops over the ranges run a fixed
-// number of times with fixed trip counts, where merging neighbours made both depend on the
-// row and mispredict (DeepSeek-V3 rows 0.95-0.97x the time, V2 unchanged). Past W groups,
-// which may hold one expert each, neighbours are merged.
+// divide, on every row's critical path. There, one range per kept group: the loops over the
+// ranges run a fixed number of times with fixed trip counts, where merging neighbours made
+// both depend on the row and mispredict. Past W groups, which may hold one expert each,
+// neighbours are merged.
 template <bool kTop2>
 inline int64_t keep_groups(const float* b, int64_t num_groups, int64_t group_size,
                            int64_t topk_group, bool want_floor, const GroupedTopkWorkspace& ws,
@@ -256,8 +252,7 @@ inline int64_t keep_groups(const float* b, int64_t num_groups, int64_t group_siz
 // k distinct experts at or above it (a -inf fill standing in for a missing expert only lowers
 // the floor). With k <= kLaneMaxK the lane maxima alone give a floor almost as tight at a
 // quarter of the ranking work: on 16 lanes up to k = 16. On 8 lanes the maxima leave
-// too many candidates already at k = 6 and 8 (9.3 and 20 on average for routers of 160 to
-// 384 experts, against 6.2 and 8.7 from the top-2), so there only up to k = 4.
+// too many candidates already at k = 6 and 8, so there only up to k = 4.
 // Returns -inf for k > 2W: every expert is a candidate.
 constexpr int64_t kLaneMaxK = W >= 16 ? W : W / 2;
 inline float floor_from_lanes(const LaneTop2& top, int64_t k) {
@@ -286,8 +281,8 @@ constexpr int64_t kMaxFloorK = Vec::kMaxKthVecs >= 4 ? 4 * W : 2 * W;
 // Step 4a for 2W < k <= 4W: lane by lane, the top-2 of the even-numbered and of the
 // odd-numbered vectors over the ranges, read back from b. The vectors cover disjoint experts,
 // so these 4W values are distinct experts, and their k-th largest is a floor as above. Without
-// it, routers that choose more experts than twice the lanes (Nemotron-style topk 22 on AVX2's
-// 8 lanes) made every expert a candidate: 7x the time per row.
+// it, routers that choose more experts than twice the lanes (Nemotron-style topk 22 on 8
+// lanes) make every expert a candidate.
 [[maybe_unused]]
 inline float floor_from_alternate_lanes(const float* b, const ExpertRange* ranges,
                                         int64_t num_ranges, int64_t k) {
@@ -345,14 +340,13 @@ MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange
     count += Vec::compress_store(v, m, int32_t(e), candidates + count, candidate_ids + count);
   };
   // A range of up to kShortRange vectors counts as short: for GLM-4.5's 10 vectors the
-  // marking pass below costs more than it saves (rows 0.96-0.97x the time without it), for 16
-  // (DeepSeek-V4-flash) it saves (1.035-1.04x without it).
+  // marking pass below costs more than it saves, for DeepSeek-V4-flash's 16 it saves more.
   constexpr int64_t kShortRange = 12 * W;
   if (num_ranges > 1 || ranges[0].end - ranges[0].begin <= kShortRange) {
     // The kept groups' ranges are short: a compress per vector, no branch on the data.
     // Whole vectors, then the range's tail: no mask to compute in the loop. (The load, pack
-    // and count check are written out at each of their four places: through one lambda,
-    // GLM-4.5 rows took 1.2-1.3x the time and DeepSeek-V3, Kimi-K2 and V2 rows 1.03-1.16x.)
+    // and count check are written out at each of their four places: through one lambda, GCC
+    // compiled these loops slower.)
     for (int64_t r = 0; r < num_ranges; ++r) {
       const int64_t end = ranges[r].end;
       int64_t e = ranges[r].begin;
@@ -409,8 +403,7 @@ MOEEXT_ALWAYS_INLINE int64_t gather_candidates(const float* b, const ExpertRange
 // Step 4 entry: ws.chosen[0, k) gets the k best experts, best first.
 inline void select_experts(const float* b, const ExpertRange* ranges, int64_t num_ranges,
                            int64_t k, float floor, const GroupedTopkWorkspace& ws) {
-  // With k > W there are more than W candidates: no use packing the first W in a register
-  // (Nemotron-style rows 0.97x the time without it).
+  // With k > W there are more than W candidates: no use packing the first W in a register.
   Vec first;
   const int64_t count = k <= W ? gather_candidates<true>(b, ranges, num_ranges, floor, ws, first)
                                : gather_candidates<false>(b, ranges, num_ranges, floor, ws, first);
