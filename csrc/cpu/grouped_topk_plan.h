@@ -55,6 +55,13 @@ struct GroupedTopkIsa {
 constexpr GroupedTopkIsa kGroupedTopkPortable{8, false, false};
 constexpr GroupedTopkIsa kGroupedTopkAvx2{8, true, false};
 constexpr GroupedTopkIsa kGroupedTopkAvx512{16, true, true};
+constexpr bool lanes_are_a_power_of_two(const GroupedTopkIsa& isa) {
+  return isa.lanes > 0 && (isa.lanes & (isa.lanes - 1)) == 0;
+}
+static_assert(lanes_are_a_power_of_two(kGroupedTopkPortable) &&
+                  lanes_are_a_power_of_two(kGroupedTopkAvx2) &&
+                  lanes_are_a_power_of_two(kGroupedTopkAvx512),
+              "plan_grouped_topk counts whole blocks of lanes by a mask");
 
 enum class GroupedTopkStrategy : int8_t {
   // route_rows: one row at a time, exact scores. What every other strategy falls back to.
@@ -116,7 +123,8 @@ inline GroupedTopkPlan plan_grouped_topk(const BiasedGroupedTopkParams& p, int64
                                          const GroupedTopkIsa& isa) {
   GroupedTopkPlan plan;
   const bool all_groups_kept = p.topk_group == p.num_expert_group;
-  const int64_t whole_blocks = rows / isa.lanes * isa.lanes;
+  // A mask, not a divide (lanes is a power of two): the plan is made on every call.
+  const int64_t whole_blocks = rows & -isa.lanes;
   if (p.scoring_func == ScoringFunc::kSqrtSoftplus) {
     // The candidate pass takes its floor from the lanes' top-2 of the whole row, and reads
     // the candidates' logits back by index.
