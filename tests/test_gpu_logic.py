@@ -1,6 +1,6 @@
 """Host unit tests of the logic the CPU and GPU kernels share (csrc/host_device/*.h), of the
-GPU kernels' host-side plans (csrc/gpu/*.h), and of the CPU kernels' portable pieces
-(csrc/cpu/score_pieces.h, vec_math.h).
+kernels' plans (csrc/gpu/grouped_topk_plan.h, csrc/cpu/grouped_topk_plan.h), and of the CPU
+kernels' portable pieces (csrc/cpu/score_pieces.h, vec_math.h).
 
 Each tests/cpp/test_*.cpp is one program that includes a header, checks it, and exits
 non-zero on a failure. They need only a C++ compiler, so they run here on every machine, GPU

@@ -132,83 +132,53 @@ const char* cpu_isa_name(CpuIsa isa) {
   return "unknown";
 }
 
+namespace {
+
+// The copy of the routing kernel an ISA runs, and what its plan needs to know of it.
+struct GroupedTopkKernel {
+  cpu::GroupedTopkIsa isa;
+  void (*route)(const BiasedGroupedTopkParams&, int64_t, int64_t, const cpu::GroupedTopkPlan&,
+                const cpu::GroupedTopkWorkspace&);
+};
+
+GroupedTopkKernel grouped_topk_kernel(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512Bf16:  // routing has no bf16 dot products: the avx512 copy
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      return {cpu::kGroupedTopkAvx512, &cpu::avx512::biased_grouped_topk};
+#endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      return {cpu::kGroupedTopkAvx2, &cpu::avx2::biased_grouped_topk};
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kPortable:
+      break;
+  }
+  return {cpu::kGroupedTopkPortable, &cpu::portable::biased_grouped_topk};
+}
+
+}  // namespace
+
 void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin,
                              int64_t row_end) {
   if (row_begin >= row_end) return;
-  // Six float rows of num_experts (padded to whole 16-lane vectors), the groups' scores and
-  // second largest values, the candidate buffers, the key arrays, the kept groups' expert
-  // ranges, and for rows in lanes kLaneRows rows of scores. The float arrays are whole
-  // multiples of 16 lanes, so each starts a cache line after the buffer's start.
-  auto padded = [](int64_t n) { return (n + 15) / 16 * 16; };
-  const int64_t row_floats = padded(p.num_experts);
-  const int64_t group_floats = padded(p.num_expert_group + cpu::kCandidateSlack);
-  const int64_t candidate_slots = padded(cpu::kMaxCandidates + cpu::kCandidateSlack);
-  const int64_t chosen_slots = padded(p.topk);
-  const bool lane_rows =
-      p.num_experts <= cpu::kLaneMaxExperts ||
-      (p.scoring_func == ScoringFunc::kSqrtSoftplus &&
-       p.num_experts <= cpu::kApproxLaneMaxExperts && row_end - row_begin >= cpu::kLaneRows);
-  const int64_t lane_floats = lane_rows ? cpu::kLaneRows * row_floats + 16 : 0;  // + alignment
-  const int64_t words = 6 * row_floats + 2 * group_floats + 4 * candidate_slots +
-                        chosen_slots + lane_floats;  // 4-byte words
-  const int64_t keys = p.topk_group + p.topk;
-  const int64_t bytes = words * 4 + keys * int64_t(sizeof(uint64_t)) +
-                        p.topk_group * int64_t(sizeof(cpu::ExpertRange));
+  const GroupedTopkKernel kernel = grouped_topk_kernel(cpu_isa_active());
+  const cpu::GroupedTopkPlan plan = cpu::plan_grouped_topk(p, row_end - row_begin, kernel.isa);
   // Routers up to E = 1024 in up to 128 groups stay on the stack: no allocation per call;
   // with rows in lanes, those of up to E = 512 (DeepSeek-V4's 256 and 384 experts need
   // 24 and 34 KiB).
   alignas(64) unsigned char stack_buffer[64 * 1024];
   std::unique_ptr<unsigned char[]> heap_buffer;
   unsigned char* buffer = stack_buffer;
-  if (bytes > int64_t(sizeof(stack_buffer))) {
-    heap_buffer.reset(new unsigned char[bytes]);
+  if (plan.workspace_bytes > int64_t(sizeof(stack_buffer))) {
+    heap_buffer.reset(new unsigned char[plan.workspace_bytes]);
     buffer = heap_buffer.get();
   }
-  float* f = reinterpret_cast<float*>(buffer);
-  cpu::GroupedTopkWorkspace ws;
-  ws.scores[0] = f;
-  ws.scores[1] = f += row_floats;
-  ws.biased[0] = f += row_floats;
-  ws.biased[1] = f += row_floats;
-  ws.row = f += row_floats;
-  ws.bias = f += row_floats;
-  ws.group_scores = f += row_floats;
-  ws.group_seconds = f += group_floats;
-  ws.candidates = f += group_floats;
-  ws.candidate_ids = reinterpret_cast<int32_t*>(f += candidate_slots);
-  ws.chosen = ws.candidate_ids + candidate_slots;
-  ws.score_pieces = p.scoring_func == ScoringFunc::kSqrtSoftplus ? &cpu::sqrt_softplus_pieces()
-                                                                 : nullptr;
-  ws.group_keys = reinterpret_cast<uint64_t*>(ws.chosen + chosen_slots);
-  ws.expert_keys = ws.group_keys + p.topk_group;
-  ws.ranges = reinterpret_cast<cpu::ExpertRange*>(ws.expert_keys + p.topk);
-  // Last, so the arrays every path uses keep their places.
-  ws.candidate_scores = reinterpret_cast<float*>(ws.ranges + p.topk_group);
-  ws.candidate_bias = ws.candidate_scores + candidate_slots;
-  // Its rows start on cache lines: they are read and written back a whole vector at a time.
-  ws.lane_rows = nullptr;
-  if (lane_rows) {
-    const auto end = reinterpret_cast<uintptr_t>(ws.candidate_bias + candidate_slots);
-    ws.lane_rows = reinterpret_cast<float*>((end + 63) / 64 * 64);
-  }
-
-  switch (cpu_isa_active()) {
-    case CpuIsa::kAvx512Bf16:  // routing has no bf16 dot products: the avx512 copy
-    case CpuIsa::kAvx512:
-#if defined(MOEEXT_HAVE_AVX512)
-      cpu::avx512::biased_grouped_topk(p, row_begin, row_end, ws);
-      return;
-#endif
-    case CpuIsa::kAvx2:
-#if defined(MOEEXT_HAVE_AVX2)
-      cpu::avx2::biased_grouped_topk(p, row_begin, row_end, ws);
-      return;
-#endif
-    case CpuIsa::kAuto:
-    case CpuIsa::kPortable:
-      cpu::portable::biased_grouped_topk(p, row_begin, row_end, ws);
-      return;
-  }
+  cpu::GroupedTopkWorkspace ws = cpu::lay_out_grouped_topk_workspace(plan, buffer);
+  if (cpu::is_candidate_pass(plan.strategy)) ws.score_pieces = &cpu::sqrt_softplus_pieces();
+  kernel.route(p, row_begin, row_end, plan, ws);
 }
 
 void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {

@@ -1,5 +1,5 @@
 // A cheap stand-in for the sqrt-softplus score, for the candidate pass of the grouped top-k
-// kernel (cpu/grouped_topk.cpp): 16 cubic pieces over x in [-16, 16), within
+// kernel (cpu/grouped_topk_approx.h): 16 cubic pieces over x in [-16, 16), within
 // kScoreApproxError of the exact score everywhere there. The kernel ranks experts by these
 // approximate scores only to find the few that can be chosen, then scores those exactly;
 // tests/cpp/test_score_pieces.cpp checks the error bound against float64 on every bf16 and

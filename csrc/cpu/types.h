@@ -6,9 +6,8 @@
 
 // For the kernels' small hot helpers. GCC's inliner works to a budget for the whole file,
 // so code added anywhere in it can move a helper out of line in an unrelated hot loop, its
-// values then passing through memory: adding the candidate pass of grouped_topk.cpp moved
-// rank_values out of line (its ranks through memory) and cost GLM-4.5 and Kimi-K2 rows
-// 9-16%. Where that matters, inlining is not left to the budget.
+// values then passing through memory (adding the candidate pass of grouped_topk.cpp once
+// moved rank_values out of line). Where that matters, inlining is not left to the budget.
 #define MOEEXT_ALWAYS_INLINE [[gnu::always_inline]] inline
 
 namespace moeext::cpu {

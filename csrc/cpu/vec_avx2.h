@@ -212,8 +212,7 @@ struct Vec {
     return {avx2_detail::add_one_where(acc.v, _mm256_castsi256_ps(lanes(m)))};
   }
   // acc + 1 in the lanes where a > b (count_gt) or a >= b (count_ge), from the compare's lanes:
-  // through count_true's bit set, a count took 7 instructions instead of 3, and the ranking
-  // of Nemotron-style rows' candidates (22 of 512 experts) 1.05x the time.
+  // through count_true's bit set, a count took 7 instructions instead of 3.
   static Vec count_gt(Vec acc, Vec a, Vec b) {
     return {avx2_detail::add_one_where(acc.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))};
   }
@@ -263,7 +262,7 @@ struct Vec {
   // lane; out, lane g of first[0] / second[0] holds group g's over all its lanes (a repeated
   // maximum counts twice), lanes >= kGroups -inf. Three levels of a transposing merge tree.
   // Forced inline: GCC kept it out of line here (the AVX-512 copy it inlines), so the 2 x 8
-  // running vectors went through memory; DeepSeek-V3 rows on Zen 3 took 0.97x the time inline.
+  // running vectors went through memory.
   template <int kGroups>
   MOEEXT_ALWAYS_INLINE static void reduce_groups_top2(Vec* first, Vec* second) {
     static_assert(kGroups == 4 || kGroups == 8, "one merge tree of 8 lanes");

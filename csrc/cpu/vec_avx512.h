@@ -36,8 +36,7 @@ struct Vec {
   // 2W bf16 values widened without a lane-crossing shuffle: the even-indexed ones into even,
   // the odd-indexed into odd (a shift and a mask of each 32-bit pair). interleave_pair puts
   // two such results back in index order, values 0..W-1 into low and W..2W-1 into high.
-  // (vpmovzxwd shares the two shuffle pipes with the permutes of piecewise_cubic: the pieces
-  // of 32 bf16 logits this way take 0.9x the cycles, two permutes included.)
+  // (vpmovzxwd shares the shuffle pipes with the permutes of piecewise_cubic.)
   static constexpr bool kHasBf16Pairs = true;
   static void load_pair(const bf16_t* p, Vec& even, Vec& odd) {
     const __m512i w = _mm512_loadu_si512(p);
@@ -57,8 +56,8 @@ struct Vec {
     return {_mm512_mask_blend_ps(m, _mm512_set1_ps(fill), _mm512_cvtph_ps(h))};
   }
   // Stores are unmasked wherever they can be: a load soon after a masked store waits for it
-  // to reach the cache (no store-to-load forwarding from masked stores on Zen 4, ~10 cycles
-  // more per round trip), so a full mask takes the plain store.
+  // to reach the cache (masked stores do not forward to loads), so a full mask takes the
+  // plain store.
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(float* p, Mask m) const {
     if (m == 0xffff) {

@@ -13,8 +13,8 @@ namespace moeext::cpu::MOEEXT_CPU_ISA {
 // (as Sleef's expf has) is far more exact than the float result can hold. Over every third
 // fp32 bit pattern whose exp is normal, both are within 1 ulp of the rounded exp, 3.5% of
 // them 1 ulp off, and differ in the sigmoid of one in 1300. The exp is bound by vector
-// operations, one cycle each on Zen 5: sigmoid scores take 11.2 instead of 12.3 cycles a
-// vector. vexp_of_reduced gives e^r, vexp_reduced e^r scaled by 2^n.
+// operations, and degree 4 is one fewer. vexp_of_reduced gives e^r, vexp_reduced e^r scaled
+// by 2^n.
 MOEEXT_ALWAYS_INLINE Vec vexp_of_reduced(Vec n, Vec r_hi) {
   const Vec r = Vec::fmadd(n, Vec::set1(2.12194440e-4f), r_hi);
   Vec q = Vec::set1(1.3814539416e-3f);
@@ -32,8 +32,7 @@ MOEEXT_ALWAYS_INLINE Vec vexp_reduced(Vec n, Vec r_hi) {
 // lane's |x| <= 87, as routers' logits are: returns whether it did. There n is in [-126, 126],
 // no clamp changes x, and 2^n is one normal number: one product, scalef's bits. Outside,
 // the clamps and scalef's two powers of two and NaN blend (13 instructions on AVX2) are
-// needed; here they are skipped. On Zen 3 (AVX2) sigmoid rows took 0.86-0.92x the time,
-// softmax rows 0.81-1.0x, DeepSeek-V2 0.93x.
+// needed; here they are skipped.
 // V is Vec, a template parameter so that the layers with scalef need not declare the rest. The
 // callers skip it there with an if constexpr of their own: a call that folds away still changed
 // GCC's inlining of the AVX-512 copy.
@@ -55,8 +54,7 @@ MOEEXT_ALWAYS_INLINE bool vexp_without_scalef(V x, V& e) {
 // e^x for x in [-104, 89] or NaN: the callers clamp.
 // These exps are forced inline: on AVX2 (whose scalef takes several operations) GCC called
 // vexp_clamped out of line from softmax's long rows, spilling every live vector around each
-// call; inline, DeepSeek-V2 rows on Zen 3 took 0.91x the time. The AVX-512 copy, which GCC
-// inlined already, is unchanged.
+// call. The AVX-512 copy, which GCC inlined already, is unchanged.
 MOEEXT_ALWAYS_INLINE Vec vexp_clamped(Vec x) {
   const Vec n = Vec::round(x * Vec::set1(1.44269504088896341f));
   return vexp_reduced(n, Vec::fmadd(n, Vec::set1(-0.693359375f), x));
@@ -84,9 +82,8 @@ MOEEXT_ALWAYS_INLINE Vec vexp_nonpositive(Vec x) {
 
 // exp(-x) without the negation: it folds into the product and the reduction (IEEE rounding
 // is symmetric under it), bit for bit vexp(0 - x). The sigmoid's scoring is bound by vector
-// operations, about one cycle each: the fold took it from 13.5 to 12.3 cycles a vector of 16
-// on Zen 5. (vrangeps would clamp in one operation instead of two, but it returns the
-// number, not a NaN x.)
+// operations, and the fold saves one. (vrangeps would clamp in one operation instead of two,
+// but it returns the number, not a NaN x.)
 MOEEXT_ALWAYS_INLINE Vec vexp_neg(Vec x) {
   if constexpr (!Vec::kHasScalef) {
     Vec e;
