@@ -398,6 +398,139 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
   }
 }
 
+// The routing options of docs/SPEC.md section 6 on two presets: a case per option, one with
+// all of them, and the plain call of the same inputs in the same run. Checked against the
+// plain call's result with the options applied here.
+struct OptionsData {
+  TopkData topk;
+  std::vector<float> plain_weights;
+  std::vector<int32_t> plain_ids;
+  std::vector<int32_t> expert_map;
+  std::vector<int64_t> counts;
+  std::vector<int16_t> routed;
+  int64_t valid = 0;
+};
+
+constexpr int64_t kSharedExperts = 1;
+
+std::string check_options(const moeext::BiasedGroupedTopkParams& p, const OptionsData& d) {
+  const moeext::RoutingOptions& o = p.options;
+  const int64_t columns = p.topk + o.num_shared_experts;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    for (int64_t j = 0; j < columns; ++j) {
+      const bool shared = j >= p.topk;
+      const int64_t logical = shared ? p.num_experts + (j - p.topk) : d.plain_ids[t * p.topk + j];
+      const float weight = shared ? o.shared_expert_weight : d.plain_weights[t * p.topk + j];
+      const int32_t id = o.expert_map != nullptr ? o.expert_map[logical] : int32_t(logical);
+      if (p.topk_ids[t * p.ids_row_stride + j] != id) return at_row(t, "id differs");
+      if (p.topk_weights[t * p.weights_row_stride + j] != weight) return at_row(t, "weight differs");
+      if (o.routed_experts != nullptr && !shared && t < d.valid &&
+          static_cast<const int16_t*>(o.routed_experts)[t * o.routed_row_stride + j] != logical) {
+        return at_row(t, "record differs");
+      }
+    }
+  }
+  if (o.expert_counts != nullptr) {
+    std::vector<int64_t> want(size_t(p.num_experts), 0);
+    for (int64_t i = 0; i < d.valid * p.topk; ++i) ++want[size_t(d.plain_ids[size_t(i)])];
+    if (want != d.counts) return "expert counts differ";
+  }
+  return "";
+}
+
+void add_routing_options(std::vector<Case>& cases, const Options& opt) {
+  const std::vector<int64_t> tokens =
+      opt.quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 16, 4096};
+  const char* variants[] = {"plain", "shared", "map", "counts", "record", "all"};
+  for (const Preset& preset : kPresets) {
+    if (std::string(preset.name) != "deepseek-v3" && std::string(preset.name) != "kimi-k2") continue;
+    for (int64_t t : tokens) {
+      for (const char* variant : variants) {
+        const std::string v = variant;
+        const std::string shape = std::string(preset.name) + " T=" + std::to_string(t) + " " + v;
+        if (!opt.selects("routing_options", shape)) continue;
+        auto data = std::make_shared<OptionsData>();
+        std::mt19937 gen(uint32_t(t * 7 + preset.experts));
+        std::normal_distribution<float> normal;
+        data->topk.logits.resize(1);
+        data->topk.logits[0].resize(size_t(t * preset.experts));
+        for (auto& x : data->topk.logits[0]) x = to_bf16(normal(gen));
+        data->topk.bias.resize(size_t(preset.experts));
+        for (auto& x : data->topk.bias) x = 2.0f + 0.05f * normal(gen);
+        const int64_t shared = v == "shared" || v == "all" ? kSharedExperts : 0;
+        const int64_t columns = preset.topk + shared;
+        data->topk.weights.resize(size_t(t * columns));
+        data->topk.ids.resize(size_t(t * columns));
+        data->expert_map.resize(size_t(preset.experts + shared));
+        for (size_t e = 0; e < data->expert_map.size(); ++e) {
+          data->expert_map[e] = e % 4 == 1 ? int32_t(e / 4) : -1;  // rank 1 of 4, round robin
+        }
+        data->counts.assign(size_t(preset.experts), 0);
+        data->routed.assign(size_t(t * preset.topk), 0);
+        data->valid = v == "all" ? t - t / 4 : t;
+
+        moeext::BiasedGroupedTopkParams p;
+        p.gating_output = data->topk.logits[0].data();
+        p.gating_dtype = moeext::DType::kBFloat16;
+        p.gating_row_stride = preset.experts;
+        p.correction_bias = data->topk.bias.data();
+        p.topk_weights = data->topk.weights.data();
+        p.weights_row_stride = columns;
+        p.topk_ids = data->topk.ids.data();
+        p.ids_row_stride = columns;
+        p.num_tokens = t;
+        p.num_experts = preset.experts;
+        p.num_expert_group = preset.groups;
+        p.topk_group = preset.topk_group;
+        p.topk = preset.topk;
+        p.renormalize = preset.renormalize;
+        p.routed_scaling_factor = preset.scale;
+        p.scoring_func = preset.scoring;
+        const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
+        // The plain result, for the check.
+        {
+          moeext::BiasedGroupedTopkParams plain = p;
+          data->plain_weights.resize(size_t(t * preset.topk));
+          data->plain_ids.resize(size_t(t * preset.topk));
+          plain.topk_weights = data->plain_weights.data();
+          plain.topk_ids = data->plain_ids.data();
+          plain.weights_row_stride = plain.ids_row_stride = preset.topk;
+          moeext::biased_grouped_topk_cpu(plain, 0, t);
+        }
+        moeext::RoutingOptions& o = p.options;
+        o.num_shared_experts = shared;
+        if (v == "map" || v == "all") o.expert_map = data->expert_map.data();
+        if (v == "counts" || v == "all") {
+          o.expert_counts = data->counts.data();
+          o.counts_dtype = moeext::IntType::kInt64;
+        }
+        if (v == "record" || v == "all") {
+          o.routed_experts = data->routed.data();
+          o.routed_dtype = moeext::IntType::kInt16;
+          o.routed_row_stride = preset.topk;
+        }
+        if (v == "all") {
+          o.num_valid_tokens = &data->valid;
+          o.valid_dtype = moeext::IntType::kInt64;
+        }
+        auto call = [p, grain](int) {
+          split_as_the_binding_does(p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+            moeext::biased_grouped_topk_cpu(p, begin, end);
+          });
+        };
+        auto check = [call, data, p]() mutable {
+          std::fill(data->counts.begin(), data->counts.end(), 0);
+          call(0);
+          return check_options(p, *data);
+        };
+        const double bytes = double(t) * preset.experts * 2 + preset.experts * 4.0 +
+                             double(t) * columns * 8;
+        cases.push_back({"routing_options", shape, bytes, 1, call, check});
+      }
+    }
+  }
+}
+
 struct GemmData {
   std::vector<std::vector<uint16_t>> weights;  // bf16 [E, H], one set per rotation
   std::vector<uint16_t> first_weight;          // set 0 in the [E, H] layout, for the check
@@ -711,6 +844,7 @@ int main(int argc, char** argv) {
 
   std::vector<Case> all;
   add_grouped_topk(all, opt);
+  add_routing_options(all, opt);
   add_router_gemm(all, opt);
   add_shuffles(all, opt);
   add_zero_tail(all, opt);

@@ -12,6 +12,8 @@
 #endif
 
 #include "cpu/grouped_topk_isa.h"
+#include "cpu/routing_options.h"
+#include "cpu/routing_weights_isa.h"
 #include "cpu/router_gemm_isa.h"
 #include "moeext/common.h"
 #include "moeext/grouped_topk.h"
@@ -179,6 +181,81 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& p, int64_t row_begin
   cpu::GroupedTopkWorkspace ws = cpu::lay_out_grouped_topk_workspace(plan, buffer);
   if (cpu::is_candidate_pass(plan.strategy)) ws.score_pieces = &cpu::sqrt_softplus_pieces();
   kernel.route(p, row_begin, row_end, plan, ws);
+  // One test per chunk: a plain call runs nothing of the options.
+  if (p.options.any()) cpu::apply_routing_options(p, row_begin, row_end);
+}
+
+int64_t routing_weights_cpu_invalid_row(const RoutingWeightsParams& p, int64_t row_begin,
+                                        int64_t row_end) {
+  auto id_at = [&](int64_t t, int64_t j) -> int64_t {
+    const int64_t at = t * p.ids_row_stride + j * p.ids_col_stride;
+    switch (p.ids_dtype) {
+      case IntType::kInt16: return static_cast<const int16_t*>(p.topk_ids)[at];
+      case IntType::kInt32: return static_cast<const int32_t*>(p.topk_ids)[at];
+      case IntType::kInt64: return static_cast<const int64_t*>(p.topk_ids)[at];
+    }
+    return -1;
+  };
+  // Up to 32 ids a row compare pairwise; more mark a bit per expert (cleared after the row).
+  std::unique_ptr<uint64_t[]> seen;
+  if (p.k > 32) seen.reset(new uint64_t[(p.num_experts + 63) / 64]());
+  for (int64_t t = row_begin; t < row_end; ++t) {
+    bool bad = false;
+    for (int64_t j = 0; j < p.k && !bad; ++j) {
+      const int64_t id = id_at(t, j);
+      if (id < 0 || id >= p.num_experts) {
+        bad = true;
+      } else if (seen) {
+        const uint64_t bit = uint64_t(1) << (id % 64);
+        bad = (seen[id / 64] & bit) != 0;
+        seen[id / 64] |= bit;
+      } else {
+        for (int64_t i = 0; i < j && !bad; ++i) bad = id_at(t, i) == id;
+      }
+    }
+    if (seen) {
+      for (int64_t j = 0; j < p.k; ++j) {
+        const int64_t id = id_at(t, j);
+        if (id >= 0 && id < p.num_experts) seen[id / 64] = 0;
+      }
+    }
+    if (bad) return t;
+  }
+  return -1;
+}
+
+void routing_weights_cpu(const RoutingWeightsParams& p, int64_t row_begin, int64_t row_end) {
+  if (row_begin >= row_end || p.k == 0) return;
+  auto padded = [](int64_t n) { return (n + 15) / 16 * 16; };
+  const bool softmax = p.scoring_func == ScoringFunc::kSoftmax;
+  const int64_t row_floats = softmax ? padded(p.num_experts) : 0;
+  const int64_t floats = 3 * row_floats + padded(p.k);
+  alignas(64) float stack_buffer[4096];
+  std::unique_ptr<float[]> heap_buffer;
+  float* buffer = stack_buffer;
+  if (floats > int64_t(sizeof(stack_buffer) / sizeof(float))) {
+    heap_buffer.reset(new float[floats]);
+    buffer = heap_buffer.get();
+  }
+  const cpu::RoutingWeightsWorkspace ws{buffer, buffer + row_floats, buffer + 2 * row_floats,
+                                        buffer + 3 * row_floats};
+  switch (cpu_isa_active()) {
+    case CpuIsa::kAvx512Bf16:  // the routing kernel's copy: avx512
+    case CpuIsa::kAvx512:
+#if defined(MOEEXT_HAVE_AVX512)
+      cpu::avx512::routing_weights(p, row_begin, row_end, ws);
+      return;
+#endif
+    case CpuIsa::kAvx2:
+#if defined(MOEEXT_HAVE_AVX2)
+      cpu::avx2::routing_weights(p, row_begin, row_end, ws);
+      return;
+#endif
+    case CpuIsa::kAuto:
+    case CpuIsa::kPortable:
+      cpu::portable::routing_weights(p, row_begin, row_end, ws);
+      return;
+  }
 }
 
 void router_gemm_cpu(const RouterGemmParams& p, int64_t expert_begin, int64_t expert_end) {
