@@ -897,8 +897,17 @@ DECLINED = [
     ("str for float", lambda a: a[:6] + ("2.5",) + a[7:]),
     ("tensor subclass", lambda a: (a[0].as_subclass(_Tagged),) + a[1:]),
     ("list for tensor", lambda a: (a[0].tolist(),) + a[1:]),
-    ("too few", lambda a: a[:5]),
 ]
+
+
+def test_direct_call_takes_the_schemas_defaults_and_declines_a_missing_argument():
+    logits, bias = make_inputs(5, 256, torch.float32, torch.float32)
+    direct = moeext._C.call_biased_grouped_topk(logits, bias, 8, 4, 8)  # trailing defaults
+    expected = torch.ops.moeext.biased_grouped_topk(logits, bias, 8, 4, 8)
+    assert all(torch.equal(g, e) for g, e in zip(direct, expected))
+    assert moeext._C.call_biased_grouped_topk(logits, bias, 8, 4) is NotImplemented  # no topk
+    too_many = _positional(logits, bias, "deepseek-v3") + (0, 1.0, None, None, None, None, None)
+    assert moeext._C.call_biased_grouped_topk(*too_many) is NotImplemented
 
 
 @pytest.mark.parametrize("change", [c for _, c in DECLINED], ids=[n for n, _ in DECLINED])

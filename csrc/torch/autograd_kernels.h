@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace moeext::torch_glue {
@@ -38,16 +39,28 @@ struct AutogradKernels<Result(Args...)> {
   }
 
   // ADInplaceOrView of an op that writes into its arguments number kWritten... (Tensor(a!)
-  // in the schema): the write, then their version bumps.
+  // in the schema, optional ones included): the call, then their version bumps.
   template <const Handle& (*kHandle)(), size_t... kWritten>
-  static void bump_written(c10::DispatchKeySet keys, Args... args) {
-    static_assert(std::is_void_v<Result>, "the ops that write into arguments return ()");
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      kHandle().redispatch(keys & c10::after_ADInplaceOrView_keyset, args...);
+  static Result bump_written(c10::DispatchKeySet keys, Args... args) {
+    const auto bump = [&] {
+      const auto all = std::forward_as_tuple(args...);
+      (bump_version_of_written(std::get<kWritten>(all)), ...);
+    };
+    if constexpr (std::is_void_v<Result>) {
+      {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        kHandle().redispatch(keys & c10::after_ADInplaceOrView_keyset, args...);
+      }
+      bump();
+    } else {
+      Result result;
+      {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        result = kHandle().redispatch(keys & c10::after_ADInplaceOrView_keyset, args...);
+      }
+      bump();
+      return result;
     }
-    const auto all = std::forward_as_tuple(args...);
-    (bump_version_of_written(std::get<kWritten>(all)), ...);
   }
 };
 

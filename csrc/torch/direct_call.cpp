@@ -80,6 +80,56 @@ bool parse(PyObject* obj, c10::SymInt& out) {
   return true;
 }
 
+bool from_default(const c10::IValue& /*value*/, at::Tensor& /*out*/) { return false; }
+
+bool from_default(const c10::IValue& value, std::optional<at::Tensor>& out) {
+  if (!value.isNone()) return false;
+  out.reset();
+  return true;
+}
+
+bool from_default(const c10::IValue& value, int64_t& out) {
+  if (!value.isInt()) return false;
+  out = value.toInt();
+  return true;
+}
+
+bool from_default(const c10::IValue& value, bool& out) {
+  if (!value.isBool()) return false;
+  out = value.toBool();
+  return true;
+}
+
+bool from_default(const c10::IValue& value, double& out) {
+  if (value.isDouble()) {
+    out = value.toDouble();
+    return true;
+  }
+  if (!value.isInt()) return false;
+  out = double(value.toInt());
+  return true;
+}
+
+// The schema's own string: it lives as long as the op's registration.
+bool from_default(const c10::IValue& value, c10::string_view& out) {
+  if (!value.isString()) return false;
+  const std::string& text = value.toStringRef();
+  out = c10::string_view(text.data(), text.size());
+  return true;
+}
+
+bool from_default(const c10::IValue& value, std::optional<at::ScalarType>& out) {
+  if (!value.isNone()) return false;
+  out.reset();
+  return true;
+}
+
+bool from_default(const c10::IValue& value, c10::SymInt& out) {
+  if (!value.isInt()) return false;
+  out = c10::SymInt(value.toInt());
+  return true;
+}
+
 PyObject* to_python(const at::Tensor& t) { return THPVariable_Wrap(t); }
 
 PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t) {

@@ -37,6 +37,16 @@ bool parse(PyObject* obj, c10::string_view& out);
 bool parse(PyObject* obj, std::optional<at::ScalarType>& out);
 bool parse(PyObject* obj, c10::SymInt& out);  // a plain int only
 
+// A trailing argument left out takes the schema's default (false where it has none).
+bool from_default(const c10::IValue& value, at::Tensor& out);
+bool from_default(const c10::IValue& value, std::optional<at::Tensor>& out);
+bool from_default(const c10::IValue& value, int64_t& out);
+bool from_default(const c10::IValue& value, bool& out);
+bool from_default(const c10::IValue& value, double& out);
+bool from_default(const c10::IValue& value, c10::string_view& out);
+bool from_default(const c10::IValue& value, std::optional<at::ScalarType>& out);
+bool from_default(const c10::IValue& value, c10::SymInt& out);
+
 PyObject* to_python(const at::Tensor& t);
 PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t);
 
@@ -70,16 +80,17 @@ struct DirectCall<Result(Args...)> {
   using Handle = c10::TypedOperatorHandle<Result(Args...)>;
   using Parsed = std::tuple<std::decay_t<Args>...>;
 
-  // A METH_FASTCALL function: all arguments positionally. Long::test(parsed arguments...)
-  // says whether the call is long enough to release the GIL for.
+  // A METH_FASTCALL function: the arguments positionally, trailing ones with a default in the
+  // schema optional. Long::test(parsed arguments...) says whether the call is long enough to
+  // release the GIL for.
   template <const Handle& (*kHandle)(), typename Long>
   static PyObject* call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
     try {
       const Handle& op = kHandle();
       Parsed parsed;
-      if (nargs != Py_ssize_t(sizeof...(Args)) || torch_function_mode_active() ||
-          !parse_all(args, parsed, std::index_sequence_for<Args...>{})) {
+      if (nargs > Py_ssize_t(sizeof...(Args)) || torch_function_mode_active() ||
+          !parse_all(op, args, nargs, parsed, std::index_sequence_for<Args...>{})) {
         Py_RETURN_NOTIMPLEMENTED;
       }
       const auto run = [&](const auto&... a) { return op.call(a...); };
@@ -106,8 +117,15 @@ struct DirectCall<Result(Args...)> {
 
  private:
   template <size_t... I>
-  static bool parse_all(PyObject* const* args, Parsed& parsed, std::index_sequence<I...>) {
-    return (parse(args[I], std::get<I>(parsed)) && ...);
+  static bool parse_all(const Handle& op, PyObject* const* args, Py_ssize_t nargs,
+                        Parsed& parsed, std::index_sequence<I...>) {
+    const auto take = [&](auto index, auto& out) {
+      constexpr size_t i = decltype(index)::value;
+      if (Py_ssize_t(i) < nargs) return parse(args[i], out);
+      const std::optional<c10::IValue>& fallback = op.schema().arguments()[i].default_value();
+      return fallback.has_value() && from_default(*fallback, out);
+    };
+    return (take(std::integral_constant<size_t, I>{}, std::get<I>(parsed)) && ...);
   }
 };
 
