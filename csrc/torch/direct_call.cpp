@@ -14,40 +14,10 @@ bool parse(PyObject* obj, at::Tensor& out) {
   return true;
 }
 
-bool parse(PyObject* obj, std::optional<at::Tensor>& out) {
-  if (obj == Py_None) {
-    out.reset();
-    return true;
-  }
+bool parse_tensor(PyObject* obj, std::optional<at::Tensor>& out) {
   at::Tensor t;
   if (!parse(obj, t)) return false;
   out = std::move(t);
-  return true;
-}
-
-bool parse(PyObject* obj, int64_t& out) {
-  if (!PyLong_CheckExact(obj)) return false;
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
-  if (overflow != 0) return false;
-  out = v;
-  return true;
-}
-
-bool parse(PyObject* obj, bool& out) {
-  if (!PyBool_Check(obj)) return false;
-  out = obj == Py_True;
-  return true;
-}
-
-bool parse(PyObject* obj, double& out) {
-  if (PyFloat_CheckExact(obj)) {
-    out = PyFloat_AS_DOUBLE(obj);
-    return true;
-  }
-  int64_t i = 0;
-  if (!parse(obj, i)) return false;
-  out = double(i);
   return true;
 }
 

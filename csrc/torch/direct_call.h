@@ -27,12 +27,39 @@
 
 namespace moeext::torch_glue {
 
-// Each parse returns false, raising nothing, where obj is not of the plain type.
+// Each parse returns false, raising nothing, where obj is not of the plain type. The ones a
+// routing call passes most (None, int, float, bool) are inline: every decode step parses them.
 bool parse(PyObject* obj, at::Tensor& out);
-bool parse(PyObject* obj, std::optional<at::Tensor>& out);
-bool parse(PyObject* obj, int64_t& out);
-bool parse(PyObject* obj, bool& out);
-bool parse(PyObject* obj, double& out);  // an int too, as torch.ops takes one
+bool parse_tensor(PyObject* obj, std::optional<at::Tensor>& out);
+inline bool parse(PyObject* obj, std::optional<at::Tensor>& out) {
+  if (obj == Py_None) {
+    out.reset();
+    return true;
+  }
+  return parse_tensor(obj, out);
+}
+inline bool parse(PyObject* obj, int64_t& out) {
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  out = v;
+  return overflow == 0;
+}
+inline bool parse(PyObject* obj, bool& out) {
+  if (!PyBool_Check(obj)) return false;
+  out = obj == Py_True;
+  return true;
+}
+inline bool parse(PyObject* obj, double& out) {  // an int too, as torch.ops takes one
+  if (PyFloat_CheckExact(obj)) {
+    out = PyFloat_AS_DOUBLE(obj);
+    return true;
+  }
+  int64_t i = 0;
+  if (!parse(obj, i)) return false;
+  out = double(i);
+  return true;
+}
 bool parse(PyObject* obj, c10::string_view& out);
 bool parse(PyObject* obj, std::optional<at::ScalarType>& out);
 bool parse(PyObject* obj, c10::SymInt& out);  // a plain int only

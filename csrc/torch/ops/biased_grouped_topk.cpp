@@ -249,11 +249,9 @@ int64_t element_size(IntType type) {
   return type == IntType::kInt16 ? 2 : type == IntType::kInt32 ? 4 : 8;
 }
 
-// What a call writes may not overlap what it reads or other writes (nor its own rows): the
-// result would depend on the order the kernel touches memory in. Read from the filled
-// params, so the common case (separate buffers) costs a few compares. `outputs`: whether the
-// weights and ids are the caller's (the out= form) rather than fresh.
-void check_writes_apart(const BiasedGroupedTopkParams& p, bool outputs, const char* op) {
+// check_writes_apart with the options' buffers: every write against every read and write.
+[[gnu::noinline]] void check_option_writes_apart(const BiasedGroupedTopkParams& p, bool outputs,
+                                                 const char* op) {
   const RoutingOptions& o = p.options;
   const int64_t columns = p.topk + o.num_shared_experts;
   struct Named {
@@ -262,56 +260,102 @@ void check_writes_apart(const BiasedGroupedTopkParams& p, bool outputs, const ch
     int64_t element;
     int64_t columns;  // of a row, for the message
   };
-  std::vector<Named> writes;
+  Named writes[4];
+  size_t num_writes = 0;
   if (outputs) {
-    writes.push_back({rows_of(p.topk_weights, p.num_tokens, p.weights_row_stride, columns, 1, 4),
-                      "topk_weights", 4, columns});
-    writes.push_back({rows_of(p.topk_ids, p.num_tokens, p.ids_row_stride, columns, 1, 4),
-                      "topk_ids", 4, columns});
+    writes[num_writes++] = {
+        rows_of(p.topk_weights, p.num_tokens, p.weights_row_stride, columns, 1, 4),
+        "topk_weights", 4, columns};
+    writes[num_writes++] = {rows_of(p.topk_ids, p.num_tokens, p.ids_row_stride, columns, 1, 4),
+                            "topk_ids", 4, columns};
   }
   if (o.routed_experts != nullptr) {
     const int64_t element = element_size(o.routed_dtype);
-    writes.push_back({rows_of(o.routed_experts, p.num_tokens, o.routed_row_stride, p.topk, 1,
-                              element),
-                      "routed_experts", element, p.topk});
+    writes[num_writes++] = {
+        rows_of(o.routed_experts, p.num_tokens, o.routed_row_stride, p.topk, 1, element),
+        "routed_experts", element, p.topk};
   }
   if (o.expert_counts != nullptr) {
     // One row per expert (a stride of 0 was refused, so no two share memory).
-    writes.push_back({rows_of(o.expert_counts, p.num_experts, o.counts_stride, 1, 1,
-                              element_size(o.counts_dtype)),
-                      "expert_counts", element_size(o.counts_dtype), 1});
+    const int64_t element = element_size(o.counts_dtype);
+    writes[num_writes++] = {
+        rows_of(o.expert_counts, p.num_experts, o.counts_stride, 1, 1, element),
+        "expert_counts", element, 1};
   }
-  if (writes.empty()) return;
-  const Named reads[] = {
-      {rows_of(p.gating_output, p.num_tokens, p.gating_row_stride, p.num_experts,
-               p.gating_col_stride, element_size(p.gating_dtype)),
-       "gating_output", 0, 0},
-      // The bias and the map as one row per expert (a broadcast stride 0 is one element).
-      {rows_of(p.correction_bias, p.correction_bias ? p.num_experts : 0, p.bias_stride, 1, 1,
-               element_size(p.bias_dtype)),
-       "correction_bias", 0, 0},
-      {rows_of(o.expert_map, o.expert_map ? p.num_experts + o.num_shared_experts : 0,
-               o.map_stride, 1, 1, 4),
-       "expert_map", 0, 0},
-      {rows_of(o.num_valid_tokens, o.num_valid_tokens ? 1 : 0, 1, 1, 1,
-               element_size(o.valid_dtype)),
-       "num_valid_tokens", 0, 0},
-  };
-  for (size_t i = 0; i < writes.size(); ++i) {
+  if (num_writes == 0) return;
+  Named reads[4];
+  size_t num_reads = 0;
+  reads[num_reads++] = {rows_of(p.gating_output, p.num_tokens, p.gating_row_stride,
+                                p.num_experts, p.gating_col_stride, element_size(p.gating_dtype)),
+                        "gating_output", 0, 0};
+  // The bias and the map as one row per expert (a broadcast stride 0 is one element).
+  if (p.correction_bias != nullptr) {
+    reads[num_reads++] = {rows_of(p.correction_bias, p.num_experts, p.bias_stride, 1, 1,
+                                  element_size(p.bias_dtype)),
+                          "correction_bias", 0, 0};
+  }
+  if (o.expert_map != nullptr) {
+    reads[num_reads++] = {
+        rows_of(o.expert_map, p.num_experts + o.num_shared_experts, o.map_stride, 1, 1, 4),
+        "expert_map", 0, 0};
+  }
+  if (o.num_valid_tokens != nullptr) {
+    reads[num_reads++] = {rows_of(o.num_valid_tokens, 1, 1, 1, 1, element_size(o.valid_dtype)),
+                          "num_valid_tokens", 0, 0};
+  }
+  for (size_t i = 0; i < num_writes; ++i) {
     const Named& w = writes[i];
     TORCH_CHECK(!rows_overlap_each_other(w.rows), op, ": ", w.name,
                 " has rows that share memory (row stride ", w.rows.stride / w.element, " < ",
                 w.columns == p.topk ? "topk " : "topk + num_fused_shared_experts ", w.columns,
                 "); every row needs its own");
-    for (size_t j = i + 1; j < writes.size(); ++j) {
+    for (size_t j = i + 1; j < num_writes; ++j) {
       TORCH_CHECK(!rows_overlap(w.rows, writes[j].rows), op, ": ", w.name, " and ",
                   writes[j].name, " share memory; what the op writes must overlap nothing else");
     }
-    for (const Named& r : reads) {
+    for (size_t j = 0; j < num_reads; ++j) {
+      const Named& r = reads[j];
       TORCH_CHECK(!rows_overlap(w.rows, r.rows), op, ": ", w.name, " and ", r.name,
                   " share memory; what the op writes must overlap nothing else");
     }
   }
+}
+
+// What a call writes may not overlap what it reads or other writes (nor its own rows): the
+// result would depend on the order the kernel touches memory in. Read from the filled
+// params, so the common case (separate buffers) costs a few compares. `outputs`: whether the
+// weights and ids are the caller's (the out= form) rather than fresh.
+void check_writes_apart(const BiasedGroupedTopkParams& p, bool outputs, const char* op) {
+  const RoutingOptions& o = p.options;
+  if (o.expert_counts != nullptr || o.routed_experts != nullptr || o.expert_map != nullptr) {
+    check_option_writes_apart(p, outputs, op);
+    return;
+  }
+  // The plain out= call, at every decode step: its two outputs against its two inputs.
+  if (!outputs) return;
+  const int64_t columns = p.topk + o.num_shared_experts;
+  const RowBytes weights =
+      rows_of(p.topk_weights, p.num_tokens, p.weights_row_stride, columns, 1, 4);
+  const RowBytes ids = rows_of(p.topk_ids, p.num_tokens, p.ids_row_stride, columns, 1, 4);
+  const RowBytes logits =
+      rows_of(p.gating_output, p.num_tokens, p.gating_row_stride, p.num_experts,
+              p.gating_col_stride, element_size(p.gating_dtype));
+  const RowBytes bias = rows_of(p.correction_bias, p.correction_bias ? p.num_experts : 0,
+                                p.bias_stride, 1, 1, element_size(p.bias_dtype));
+  for (const auto& [out, name] : {std::pair{&weights, "topk_weights"}, {&ids, "topk_ids"}}) {
+    TORCH_CHECK(!rows_overlap_each_other(*out), op, ": ", name,
+                " has rows that share memory (row stride ", out->stride / 4, " < ",
+                o.num_shared_experts == 0 ? "topk " : "topk + num_fused_shared_experts ",
+                columns, "); every row needs its own");
+  }
+  const char* clash = rows_overlap(weights, ids)      ? "topk_weights and topk_ids"
+                      : rows_overlap(weights, logits) ? "topk_weights and gating_output"
+                      : rows_overlap(ids, logits)     ? "topk_ids and gating_output"
+                      : rows_overlap(weights, bias)   ? "topk_weights and correction_bias"
+                      : rows_overlap(ids, bias)       ? "topk_ids and correction_bias"
+                                                      : nullptr;
+  TORCH_CHECK(clash == nullptr, op, ": ", clash,
+              " share memory; what the op writes must overlap nothing else");
 }
 
 // ---- Launch, per device ------------------------------------------------------------------
@@ -486,11 +530,17 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_autograd(
       (gating_output.requires_grad() ||
        (correction_bias.has_value() && correction_bias->requires_grad()));
   if (!requires_grad) {
-    return handle().redispatch(keys & c10::after_autograd_keyset, gating_output, correction_bias,
-                               num_expert_group, topk_group, topk, renormalize,
-                               routed_scaling_factor, scoring_func, num_fused_shared_experts,
-                               shared_expert_weight, expert_map, expert_counts, routed_experts,
-                               num_valid_tokens);
+    auto outputs = handle().redispatch(
+        keys & c10::after_autograd_keyset, gating_output, correction_bias, num_expert_group,
+        topk_group, topk, renormalize, routed_scaling_factor, scoring_func,
+        num_fused_shared_experts, shared_expert_weight, expert_map, expert_counts,
+        routed_experts, num_valid_tokens);
+    // The options' buffers are written in place: their versions move, as a mutating op of
+    // torch.library.custom_op's moves them (here rather than in an ADInplaceOrView kernel,
+    // which every plain call would pass through).
+    bump_version_of_written(expert_counts);
+    bump_version_of_written(routed_experts);
+    return outputs;
   }
   // The kernels refuse a negative count; checked here before anything is written.
   check_shared_experts(num_fused_shared_experts, "biased_grouped_topk");
@@ -582,10 +632,8 @@ TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
   m.impl("biased_grouped_topk_out", &biased_grouped_topk_out_autograd);
 }
 
-// What each form writes into its arguments: the out= form its outputs and the options'
-// buffers, the functional form the options' buffers.
+// What the out= form writes into its arguments: its outputs and the options' buffers.
 TORCH_LIBRARY_IMPL(moeext, ADInplaceOrView, m) {
-  m.impl("biased_grouped_topk", &AutogradKernels<Signature>::bump_written<&handle, 11, 12>);
   m.impl("biased_grouped_topk_out",
          &AutogradKernels<OutSignature>::bump_written<&out_handle, 2, 3, 12, 13>);
 }
