@@ -30,11 +30,14 @@ build() {  # compiler, output directory
   mkdir -p "$dir"
   "$cxx" "${COMMON[@]}" "${KERNEL[@]}" -c csrc/cpu/grouped_topk.cpp -o "$dir/grouped_topk.o" &
   "$cxx" "${COMMON[@]}" "${KERNEL[@]}" -c csrc/cpu/router_gemm.cpp -o "$dir/router_gemm.o" &
+  "$cxx" "${COMMON[@]}" "${KERNEL[@]}" -c csrc/cpu/routing_weights.cpp -o "$dir/routing_weights.o" &
   "$cxx" "${COMMON[@]}" -O2 -c csrc/cpu/dispatch.cpp -o "$dir/dispatch.o" &
+  "$cxx" "${COMMON[@]}" -O2 -c csrc/cpu/routing_options.cpp -o "$dir/routing_options.o" &
   "$cxx" "${COMMON[@]}" -O2 -c .ci/aarch64_route_dump.cpp -o "$dir/route_dump.o" &
   "$cxx" "${COMMON[@]}" -O2 -c .ci/aarch64_router_gemm_check.cpp -o "$dir/gemm_check.o" &
   wait
-  local kernels=("$dir/grouped_topk.o" "$dir/router_gemm.o" "$dir/dispatch.o")
+  local kernels=("$dir/grouped_topk.o" "$dir/router_gemm.o" "$dir/routing_weights.o"
+                 "$dir/dispatch.o" "$dir/routing_options.o")
   "$cxx" -static -o "$dir/route_dump" "${kernels[@]}" "$dir/route_dump.o"
   "$cxx" -static -o "$dir/gemm_check" "${kernels[@]}" "$dir/gemm_check.o"
   for test in $HOST_TESTS; do

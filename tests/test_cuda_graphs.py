@@ -157,6 +157,76 @@ class RoutingOut(Routing):
                                new["logits"], new["bias"], **self.preset.op_kwargs())
 
 
+class RoutingOptions(Routing):
+    """biased_grouped_topk with every option of docs/SPEC.md section 6; the valid-row count
+    changes from replay to replay (read from device memory when the graph runs; -3 counts no
+    row), so the rows recorded and counted follow it."""
+
+    valid_by_seed = (64, 40, 0, 64, -3, 17)
+
+    def __init__(self, preset):
+        super().__init__(preset)
+        self.name = f"biased_grouped_topk-options-{preset}"
+        p = self.preset
+        g = torch.Generator().manual_seed(5)
+        self.map = torch.randperm(p.num_experts + 1, generator=g).to(torch.int32)
+        self.counts_before = None
+
+    def make(self, seed):
+        inputs = super().make(seed)
+        p = self.preset
+        valid = self.valid_by_seed[seed % len(self.valid_by_seed)]
+        inputs["valid"] = torch.tensor([valid], dtype=torch.int32)
+        inputs["counts"] = torch.full((p.num_experts,), 3, dtype=torch.int64)
+        inputs["record"] = torch.full((self.num_tokens + 4, p.topk), -1, dtype=torch.int16)
+        inputs["map"] = self.map
+        return inputs
+
+    def run(self, t):
+        return moeext.biased_grouped_topk(
+            t["logits"], t.get("bias"), **self.preset.op_kwargs(), num_fused_shared_experts=1,
+            shared_expert_weight=0.5, expert_map=t["map"], expert_counts=t["counts"],
+            routed_experts=t["record"], num_valid_tokens=t["valid"])
+
+    def check(self, new, t, outputs):
+        p = self.preset
+        weights, ids = (o.cpu() for o in outputs)
+        valid = min(max(int(new["valid"]), 0), self.num_tokens)
+        record = t["record"].cpu()
+        logical = record[:valid].int()
+        assert bool((record[valid:] == -1).all())
+        assert_routing_matches(weights[:valid, :p.topk], logical, new["logits"][:valid],
+                               new.get("bias"), **p.op_kwargs())
+        assert torch.equal(ids[:valid], self.map[torch.cat(
+            [logical.long(), torch.full((valid, 1), p.num_experts)], dim=1)])
+        assert bool((weights[:, p.topk] == 0.5).all())
+        counts = torch.full((p.num_experts,), 3) + torch.bincount(
+            logical.reshape(-1).long(), minlength=p.num_experts)
+        assert torch.equal(t["counts"].cpu(), counts)
+
+
+class RoutingReplay:
+    """routing_weights of recorded ids, bit for bit the weights routing gave them."""
+
+    name = "routing_weights"
+
+    def make(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        p = PRESETS["deepseek-v3"]
+        logits = (2 * torch.randn(32, p.num_experts, generator=g)).bfloat16()
+        ids = torch.stack([torch.randperm(p.num_experts, generator=g)[:p.topk]
+                           for _ in range(32)]).to(torch.int16)
+        return {"logits": logits, "ids": ids}
+
+    def run(self, t):
+        return (moeext.routing_weights(t["logits"], t["ids"], True, 2.5, "sigmoid"),)
+
+    def check(self, new, t, outputs):
+        (weights,) = outputs
+        torch.testing.assert_close(weights.cpu(), reference.routing_weights(
+            new["logits"], new["ids"], True, 2.5, "sigmoid"), rtol=2e-5, atol=1e-6)
+
+
 class RouterGemm:
     """router_gemm at DeepSeek-V3's gate shape, decode-sized."""
 
@@ -289,6 +359,7 @@ class E8m0Unshuffle:
 CASES = [
     Routing("deepseek-v3"), Routing("kimi-k2"), Routing("deepseek-v4-flash"),
     Routing("deepseek-v2"), RoutingOut(),
+    RoutingOptions("deepseek-v3"), RoutingOptions("kimi-k2"), RoutingReplay(),
     RouterGemm(torch.float32), RouterGemm(torch.bfloat16),
     ZeroTail(), ZeroTailTracked(),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True), ShuffleWeight(torch.bfloat16, False),

@@ -312,3 +312,118 @@ def test_prepacked_weight_is_frozen():
     assert not topk_weights.requires_grad
     with pytest.raises(RuntimeError, match="router_gemm: hidden_states requires grad"):
         router(hidden.requires_grad_())
+
+
+# ---- What engines and trainers need (docs/SPEC.md section 6) --------------------------------
+
+
+@pytest.mark.parametrize("placement,ranks", [
+    ("linear", [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]),      # 10 experts on 4 ranks: 3, 3, 2, 2
+    ("round_robin", [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]),
+    ([3, 3, 0, 1, 2, 0, 1, 2, 0, 3], [3, 3, 0, 1, 2, 0, 1, 2, 0, 3]),
+])
+def test_expert_parallel_map_gives_each_rank_its_experts(placement, ranks):
+    held = [0] * 4
+    maps = [moeext.nn.expert_parallel_map(10, r, 4, placement, num_fused_shared_experts=2)
+            for r in range(4)]
+    for e, owner in enumerate(ranks):
+        for r in range(4):
+            expected = held[r] if r == owner else -1
+            assert int(maps[r][e]) == expected, (placement, e, r)
+        held[owner] += 1
+    for r in range(4):  # the shared experts: on every rank, after its routed ones
+        assert maps[r].dtype == torch.int32 and maps[r][10:].tolist() == [held[r], held[r] + 1]
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: moeext.nn.expert_parallel_map(8, 4, 4), "ep_rank must be in"),
+    (lambda: moeext.nn.expert_parallel_map(8, 0, 2, "striped"), "placement must be 'linear'"),
+    (lambda: moeext.nn.expert_parallel_map(8, 0, 2, [0, 1]), "placement must give each"),
+    (lambda: moeext.nn.expert_parallel_map(3, 0, 2, [0, 1, 2]), "placement must give each"),
+])
+def test_expert_parallel_map_names_what_is_wrong(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_correction_bias_moves_a_step_towards_balance():
+    bias = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0])
+    counts = torch.tensor([10, 4, 6, 6, 4], dtype=torch.int32)  # mean 6
+    moeext.nn.update_correction_bias_(bias, counts, 0.001)
+    torch.testing.assert_close(bias, torch.tensor([1.999, 2.001, 2.0, 2.0, 2.001]), rtol=0,
+                               atol=1e-7)
+    with pytest.raises(ValueError, match="expert_counts must have the shape"):
+        moeext.nn.update_correction_bias_(bias, counts[:4], 0.001)
+
+
+def test_router_fuses_shared_experts_maps_counts_and_records(device):
+    config = dict(DEEPSEEK_V3_CONFIG, n_shared_experts=1)
+    router = GroupedTopKRouter.from_config(config, fuse_shared_experts=True, device=device)
+    model_with_gate(router).load_state_dict(deepseek_v3_gate_state_dict(), strict=True)
+    assert router.num_fused_shared_experts == 1
+    expert_map = moeext.nn.expert_parallel_map(256, 1, 8, num_fused_shared_experts=1)
+    router.set_expert_map(expert_map)
+    counts = router.track_expert_counts()
+    record = router.record_routing(16)
+    hidden = torch.randn(5, 7168).bfloat16().to(device)
+    weights, ids = router(hidden)
+    plain = GroupedTopKRouter.from_config(DEEPSEEK_V3_CONFIG, device=device)
+    plain.load_state_dict(router.state_dict())  # engine state stays out of the state dict
+    plain_weights, plain_ids = plain(hidden)
+    assert weights.shape == ids.shape == (5, 9)
+    assert torch.equal(weights[:, :8], plain_weights) and bool((weights[:, 8] == 1.0).all())
+    logical = torch.cat([plain_ids, torch.full((5, 1), 256, device=device)], dim=1)
+    assert torch.equal(ids.cpu(), expert_map[logical.long().cpu()])
+    assert torch.equal(record[:5], plain_ids.to(torch.int16))
+    assert int(counts.sum()) == 40
+    assert "expert_counts" not in router.state_dict()
+    before = router.e_score_correction_bias.clone()
+    router.update_correction_bias_(0.001)
+    assert int(router.expert_counts.sum()) == 0
+    assert not torch.equal(router.e_score_correction_bias, before)
+
+
+def test_router_counts_and_records_only_valid_rows(device):
+    router = GroupedTopKRouter.from_preset("kimi-k2", 64, device=device, dtype=torch.float32)
+    router.track_expert_counts(torch.int32)
+    router.record_routing(8, torch.int32)
+    router.routed_experts.fill_(-1)
+    _, ids = router(torch.randn(6, 64, device=device),
+                    num_valid_tokens=torch.tensor([4], device=device))
+    assert int(router.reset_expert_counts().sum()) == 4 * 8
+    assert torch.equal(router.routed_experts[:4], ids[:4])
+    assert bool((router.routed_experts[4:] == -1).all())
+
+
+def test_replay_gives_the_recorded_weights_and_their_gradient(device):
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 96, device=device, dtype=torch.float32)
+    record = router.record_routing(4, torch.int32)
+    hidden = torch.randn(4, 96, device=device)
+    weights, _ = router(hidden)
+    replayed = router.replay(hidden, record)
+    assert torch.equal(replayed, weights)
+    (replayed * torch.arange(8.0, device=device)).sum().backward()
+    grad = router.weight.grad.clone()
+    router.weight.grad = None
+    logits = hidden @ router.weight.T
+    (reference.routing_weights(logits, record, True, router.routed_scaling_factor, "sigmoid")
+     * torch.arange(8.0, device=device)).sum().backward()
+    torch.testing.assert_close(grad, router.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_router_with_every_option(device):
+    torch._dynamo.reset()
+    router = GroupedTopKRouter.from_preset("deepseek-v3", 64, device=device, dtype=torch.float32,
+                                           num_fused_shared_experts=1,
+                                           expert_map=torch.arange(257, dtype=torch.int32))
+    router.track_expert_counts()
+    router.record_routing(32)
+    compiled = torch.compile(router, fullgraph=True, dynamic=True)
+    for num_tokens in (3, 9, 20):
+        hidden = torch.randn(num_tokens, 64, device=device)
+        valid = torch.tensor([num_tokens - 1], device=device)
+        got = compiled(hidden, num_valid_tokens=valid)
+        counts = router.expert_counts.clone()
+        expected = router(hidden, num_valid_tokens=valid)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert int(router.expert_counts.sum() - counts.sum()) == (num_tokens - 1) * 8
