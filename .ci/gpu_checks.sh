@@ -55,8 +55,8 @@ import moeext, torch
 info = moeext.build_info()
 assert info["backends"] == ["cpu", "cuda"], info
 ops = ["biased_grouped_topk", "biased_grouped_topk_out", "routing_weights", "router_gemm",
-       "zero_tail_", "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight", "e8m0_shuffle",
-       "e8m0_unshuffle"]
+       "fused_router", "zero_tail_", "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight",
+       "e8m0_shuffle", "e8m0_unshuffle"]
 missing = [op for op in ops
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moeext::{op}", "CUDA")]
 assert not missing, f"no CUDA kernel registered for {missing}"

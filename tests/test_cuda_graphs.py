@@ -248,6 +248,54 @@ class RouterGemm:
         assert_close_to_reference(logits.cpu(), new["hidden"], new["weight"], self.out_dtype)
 
 
+class FusedRouter:
+    """fused_router at a model's gate, decode-sized (one launch on the GPU: its completion
+    counter must be back at zero for every replay), bit for bit the two calls it fuses, run
+    on the GPU on the replay's inputs; with the options, the count and record buffers too."""
+
+    def __init__(self, preset, num_tokens, options=False):
+        self.preset = PRESETS[preset]
+        self.num_tokens = num_tokens
+        self.options = options
+        self.name = f"fused_router-{preset}-T{num_tokens}" + ("-options" if options else "")
+
+    def make(self, seed):
+        p = self.preset
+        g = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(self.num_tokens, 7168, generator=g)
+        if seed % 2:
+            hidden[-1] = float("nan")
+        inputs = {"hidden": hidden.bfloat16(),
+                  "weight": (0.02 * torch.randn(p.num_experts, 7168, generator=g)).bfloat16(),
+                  "bias": 2 + 0.05 * torch.randn(p.num_experts, generator=g)}
+        if self.options:
+            inputs["valid"] = torch.tensor([self.num_tokens - seed % 2], dtype=torch.int64)
+            inputs["counts"] = torch.full((p.num_experts,), seed, dtype=torch.int32)
+            inputs["record"] = torch.full((self.num_tokens, p.topk), -1, dtype=torch.int32)
+        return inputs
+
+    def _options(self, t):
+        if not self.options:
+            return {}
+        return dict(num_fused_shared_experts=1, expert_counts=t["counts"],
+                    routed_experts=t["record"], num_valid_tokens=t["valid"])
+
+    def run(self, t):
+        return moeext.fused_router(t["hidden"], t["weight"], t["bias"], **self.preset.op_kwargs(),
+                                   **self._options(t), return_logits=True)
+
+    def check(self, new, t, outputs):
+        expected_buffers = {name: new[name].to(t["hidden"].device) for name in new}
+        logits = moeext.router_gemm(expected_buffers["hidden"], expected_buffers["weight"])
+        expected = moeext.biased_grouped_topk(logits, expected_buffers["bias"],
+                                              **self.preset.op_kwargs(),
+                                              **self._options(expected_buffers))
+        for got, want in zip(outputs, (*expected, logits)):
+            assert got.device == want.device and torch.equal(got, want)
+        for name in ("counts", "record") if self.options else ():
+            assert torch.equal(t[name], expected_buffers[name])
+
+
 def _nonzero_bytes(shape, g):
     return torch.randint(1, 256, shape, dtype=torch.uint8, generator=g)
 
@@ -361,6 +409,8 @@ CASES = [
     Routing("deepseek-v2"), RoutingOut(),
     RoutingOptions("deepseek-v3"), RoutingOptions("kimi-k2"), RoutingReplay(),
     RouterGemm(torch.float32), RouterGemm(torch.bfloat16),
+    FusedRouter("deepseek-v3", 1), FusedRouter("deepseek-v3", 16, options=True),
+    FusedRouter("kimi-k2", 3), FusedRouter("kimi-k2", 16),
     ZeroTail(), ZeroTailTracked(),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True), ShuffleWeight(torch.bfloat16, False),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True, inverse=True),

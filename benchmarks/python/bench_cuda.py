@@ -16,6 +16,8 @@ Baselines, measured in the same run on the same inputs:
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
+  fused_router         the two calls it fuses (router_gemm then biased_grouped_topk), and
+                       router_gemm alone
   zero_tail_           the full fill_(0) it replaces
   shuffles             AITER's view/permute/contiguous formulations (baselines.py, one
                        copy each), and a clone() of the same bytes (the bandwidth bound)
@@ -188,6 +190,42 @@ def router_gemm(table, quick, tokens=None):
                       "F.linear bf16 (bf16 out)", linear_bf16)
 
 
+def fused_router(table, quick, tokens=None):
+    """fused_router against the two calls it fuses (router_gemm then biased_grouped_topk) and
+    router_gemm alone, at the gates of DeepSeek-V3 and Kimi-K2; each input set has its own
+    weight (see router_gemm)."""
+    hidden = 7168
+    presets = ["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"]
+    tokens = tokens or ([1, 16] if quick else [1, 2, 4, 8, 16, 64])
+    for name in presets:
+        p = PRESETS[name]
+        rest = (p.num_expert_group, p.topk_group, p.topk, p.renormalize,
+                p.routed_scaling_factor, p.scoring_func)
+        g = torch.Generator(device="cuda").manual_seed(p.num_experts)
+        bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
+        for num_tokens in tokens:
+            sets = input_sets(num_tokens * hidden * 2 + p.num_experts * hidden * 2)
+            xws = [(torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16(),
+                    (0.02 * torch.randn(p.num_experts, hidden, device="cuda", generator=g))
+                    .bfloat16()) for _ in range(sets)]
+            for x, w in xws:
+                fused = moeext.fused_router(x, w, bias, *rest)
+                logits = moeext.router_gemm(x, w)
+                pair = moeext.biased_grouped_topk(logits, bias, *rest)
+                assert torch.equal(fused[0], pair[0]) and torch.equal(fused[1], pair[1])
+
+            def calls(fn):
+                return lambda: [lambda xw=xw: fn(*xw) for xw in xws]
+
+            case = f"{name} H={hidden} T={num_tokens}"
+            ours = both(calls(lambda x, w: moeext.fused_router(x, w, bias, *rest)))
+            table.add("fused_router", case, ours, "router_gemm + biased_grouped_topk",
+                      both(calls(lambda x, w: moeext.biased_grouped_topk(
+                          moeext.router_gemm(x, w), bias, *rest))))
+            table.add("fused_router", case, ours, "router_gemm alone",
+                      both(calls(lambda x, w: moeext.router_gemm(x, w))))
+
+
 def zero_tail(table, quick):
     mib = 16 if quick else 256
     n = mib * (1 << 20) // 4
@@ -234,7 +272,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few, small cases")
     parser.add_argument("--only", default=None,
-                        help="comma-separated: grouped_topk,router_gemm,zero_tail,shuffles")
+                        help="comma-separated: grouped_topk,router_gemm,fused_router,zero_tail,"
+                             "shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("--tokens", default=None, type=lambda s: [int(t) for t in s.split(",")],
                         help="comma-separated token counts for grouped_topk and router_gemm, "
@@ -250,6 +289,7 @@ def main(argv=None):
     table = Table()
     suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens),
               "router_gemm": lambda: router_gemm(table, args.quick, args.tokens),
+              "fused_router": lambda: fused_router(table, args.quick, args.tokens),
               "zero_tail": lambda: zero_tail(table, args.quick),
               "shuffles": lambda: shuffles(table, args.quick)}
     for name, run in suites.items():

@@ -27,6 +27,7 @@ import moeext
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import bench_fused_router  # noqa: E402
 import bench_grouped_topk  # noqa: E402
 import bench_mxfp4_shuffle  # noqa: E402
 import bench_router_gemm  # noqa: E402
@@ -34,8 +35,8 @@ import bench_routing_options  # noqa: E402
 import bench_zero_tail  # noqa: E402
 from common import machine_line  # noqa: E402
 
-SUITES = [bench_grouped_topk, bench_routing_options, bench_router_gemm, bench_zero_tail,
-          bench_mxfp4_shuffle]
+SUITES = [bench_grouped_topk, bench_routing_options, bench_router_gemm, bench_fused_router,
+          bench_zero_tail, bench_mxfp4_shuffle]
 PERFORMANCE = HERE.parents[1] / "docs" / "PERFORMANCE.md"
 BEGIN = "<!-- cpu-table:begin (benchmarks/python/run_all.py --write-performance) -->"
 END = "<!-- cpu-table:end -->"

@@ -36,6 +36,15 @@ constexpr hipDeviceAttribute_t kAttrMultiprocessorCount = hipDeviceAttributeMult
 inline Error memset_async(void* dst, int value, size_t bytes, Stream stream) {
   return hipMemsetAsync(dst, value, bytes, stream);
 }
+inline Error device_malloc(void** ptr, size_t bytes) { return hipMalloc(ptr, bytes); }
+inline Error stream_synchronize(Stream stream) { return hipStreamSynchronize(stream); }
+// Whether `stream` is capturing a graph (an invalidated capture counts), and the capture's id.
+inline Error stream_capture(Stream stream, bool* capturing, unsigned long long* id) {
+  hipStreamCaptureStatus status = hipStreamCaptureStatusNone;
+  const Error e = hipStreamGetCaptureInfo(stream, &status, id);
+  *capturing = status != hipStreamCaptureStatusNone;
+  return e;
+}
 #else
 using Stream = cudaStream_t;
 using Error = cudaError_t;
@@ -50,6 +59,14 @@ constexpr cudaDeviceAttr kAttrWarpSize = cudaDevAttrWarpSize;
 constexpr cudaDeviceAttr kAttrMultiprocessorCount = cudaDevAttrMultiProcessorCount;
 inline Error memset_async(void* dst, int value, size_t bytes, Stream stream) {
   return cudaMemsetAsync(dst, value, bytes, stream);
+}
+inline Error device_malloc(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
+inline Error stream_synchronize(Stream stream) { return cudaStreamSynchronize(stream); }
+inline Error stream_capture(Stream stream, bool* capturing, unsigned long long* id) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const Error e = cudaStreamGetCaptureInfo(stream, &status, id);
+  *capturing = status != cudaStreamCaptureStatusNone;
+  return e;
 }
 #endif
 

@@ -4,6 +4,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <array>
 #include <new>
 
 namespace moeext::torch_glue {
@@ -102,13 +103,32 @@ bool from_default(const c10::IValue& value, c10::SymInt& out) {
 
 PyObject* to_python(const at::Tensor& t) { return THPVariable_Wrap(t); }
 
-PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t) {
-  PyObject* first = THPVariable_Wrap(std::get<0>(t));
-  PyObject* second = first == nullptr ? nullptr : THPVariable_Wrap(std::get<1>(t));
-  PyObject* result = second == nullptr ? nullptr : PyTuple_Pack(2, first, second);
-  Py_XDECREF(first);
-  Py_XDECREF(second);
+namespace {
+
+// A Python tuple of the tensors, or nullptr with the Python error set.
+template <size_t N>
+PyObject* tensor_tuple(const std::array<const at::Tensor*, N>& tensors) {
+  PyObject* result = PyTuple_New(Py_ssize_t(N));
+  if (result == nullptr) return nullptr;
+  for (size_t i = 0; i < N; ++i) {
+    PyObject* item = THPVariable_Wrap(*tensors[i]);
+    if (item == nullptr) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, Py_ssize_t(i), item);  // steals the reference
+  }
   return result;
+}
+
+}  // namespace
+
+PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t) {
+  return tensor_tuple<2>({&std::get<0>(t), &std::get<1>(t)});
+}
+
+PyObject* to_python(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& t) {
+  return tensor_tuple<3>({&std::get<0>(t), &std::get<1>(t), &std::get<2>(t)});
 }
 
 bool torch_function_mode_active() { return at::impl::torch_function_mode_enabled(); }

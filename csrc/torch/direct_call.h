@@ -76,6 +76,7 @@ bool from_default(const c10::IValue& value, c10::SymInt& out);
 
 PyObject* to_python(const at::Tensor& t);
 PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t);
+PyObject* to_python(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& t);
 
 // A torch-function mode would see the op through torch.ops; a direct call would not.
 bool torch_function_mode_active();

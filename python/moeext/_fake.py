@@ -45,7 +45,7 @@ def _check_shape(t, expected, message):
 
 
 def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group,
-                        topk, scoring_func):
+                        topk, scoring_func, logits_name="gating_output"):
     torch._check(gating_output.dim() == 2,
                  _message("routing.gating_output_rank", op=op, shape=list(gating_output.shape)))
     _check_float_dtype(op, "gating_output", gating_output)
@@ -70,14 +70,13 @@ def _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, to
                      _message("routing.bias_shape", op=op, num_experts=num_experts,
                               shape=list(correction_bias.shape)))
         _check_float_dtype(op, "correction_bias", correction_bias)
-        _check_same_device(op, "correction_bias", correction_bias, "gating_output",
-                           gating_output)
+        _check_same_device(op, "correction_bias", correction_bias, logits_name, gating_output)
     torch._check(scoring_func in _SCORING_FUNCS,
                  _message("routing.scoring_func", op=op, scoring_func=scoring_func))
 
 
 def _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map,
-                   expert_counts, routed_experts, num_valid_tokens):
+                   expert_counts, routed_experts, num_valid_tokens, logits_name="gating_output"):
     num_tokens, num_experts = gating_output.shape
     if expert_map is not None:
         size = num_experts + num_fused_shared_experts
@@ -87,13 +86,13 @@ def _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map
         torch._check(expert_map.dtype == torch.int32,
                      _message("routing.expert_map", op=op, size=size, dtype=expert_map.dtype,
                               shape=list(expert_map.shape)))
-        _check_same_device(op, "expert_map", expert_map, "gating_output", gating_output)
+        _check_same_device(op, "expert_map", expert_map, logits_name, gating_output)
     if expert_counts is not None:
         message = _message("routing.expert_counts", op=op, num_experts=num_experts,
                            dtype=expert_counts.dtype, shape=list(expert_counts.shape))
         torch._check(expert_counts.dtype in (torch.int32, torch.int64), message)
         _check_shape(expert_counts, (num_experts,), message)
-        _check_same_device(op, "expert_counts", expert_counts, "gating_output", gating_output)
+        _check_same_device(op, "expert_counts", expert_counts, logits_name, gating_output)
     if routed_experts is not None:
         message = _message("routing.routed_experts", op=op, topk=topk, num_tokens=num_tokens,
                            dtype=routed_experts.dtype, shape=list(routed_experts.shape))
@@ -103,13 +102,13 @@ def _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map
         torch._check(routed_experts.shape[1] == topk, message)
         torch._check(routed_experts.dtype != torch.int16 or num_experts <= 32767,
                      _message("routing.routed_experts_int16", op=op, num_experts=num_experts))
-        _check_same_device(op, "routed_experts", routed_experts, "gating_output", gating_output)
+        _check_same_device(op, "routed_experts", routed_experts, logits_name, gating_output)
     if num_valid_tokens is not None:
         torch._check(num_valid_tokens.dtype in (torch.int32, torch.int64)
                      and num_valid_tokens.numel() == 1,
                      _message("routing.num_valid_tokens", op=op, dtype=num_valid_tokens.dtype,
                               numel=num_valid_tokens.numel()))
-        _check_same_device(op, "num_valid_tokens", num_valid_tokens, "gating_output",
+        _check_same_device(op, "num_valid_tokens", num_valid_tokens, logits_name,
                            gating_output)
 
 
@@ -188,9 +187,8 @@ def _routing_weights_fake(gating_output, topk_ids, renormalize=True, routed_scal
     return gating_output.new_empty(topk_ids.shape, dtype=torch.float32)
 
 
-@torch.library.register_fake("moeext::router_gemm")
-def _router_gemm_fake(hidden_states, weight, out_dtype=None):
-    op = "router_gemm"
+def _check_router_gemm(op, hidden_states, weight):
+    """The checks of router_gemm's inputs; returns num_experts."""
     torch._check(hidden_states.dim() == 2, _message("router_gemm.hidden_states_rank", op=op,
                                                     shape=list(hidden_states.shape)))
     _check_float_dtype(op, "hidden_states", hidden_states)
@@ -215,10 +213,41 @@ def _router_gemm_fake(hidden_states, weight, out_dtype=None):
                               shape=list(weight.shape)))
         num_experts = weight.shape[0]
     _check_same_device(op, "weight", weight, "hidden_states", hidden_states)
+    return num_experts
+
+
+@torch.library.register_fake("moeext::router_gemm")
+def _router_gemm_fake(hidden_states, weight, out_dtype=None):
+    op = "router_gemm"
+    num_experts = _check_router_gemm(op, hidden_states, weight)
     logits_dtype = torch.float32 if out_dtype is None else out_dtype
     torch._check(logits_dtype in (torch.float32, torch.bfloat16),
                  _message("router_gemm.out_dtype", op=op, dtype=logits_dtype))
     return hidden_states.new_empty((hidden_states.shape[0], num_experts), dtype=logits_dtype)
+
+
+@torch.library.register_fake("moeext::fused_router")
+def _fused_router_fake(hidden_states, weight, correction_bias, num_expert_group, topk_group, topk,
+                       renormalize=True, routed_scaling_factor=1.0, scoring_func="sigmoid",
+                       num_fused_shared_experts=0, shared_expert_weight=1.0, expert_map=None,
+                       expert_counts=None, routed_experts=None, num_valid_tokens=None,
+                       return_logits=False):
+    op = "fused_router"
+    num_experts = _check_router_gemm(op, hidden_states, weight)
+    num_tokens = hidden_states.shape[0]
+    logits = hidden_states.new_empty((num_tokens, num_experts), dtype=torch.float32)
+    _check_grouped_topk(op, logits, correction_bias, num_expert_group, topk_group, topk,
+                        scoring_func, logits_name="hidden_states")
+    torch._check(num_fused_shared_experts >= 0, _message(
+        "routing.num_fused_shared_experts", op=op, shared=num_fused_shared_experts))
+    _check_options(op, logits, topk, num_fused_shared_experts, expert_map, expert_counts,
+                   routed_experts, num_valid_tokens, logits_name="hidden_states")
+    columns = topk + num_fused_shared_experts
+    weights = hidden_states.new_empty((num_tokens, columns), dtype=torch.float32)
+    ids = hidden_states.new_empty((num_tokens, columns), dtype=torch.int32)
+    if not return_logits:
+        logits = hidden_states.new_empty((0, num_experts), dtype=torch.float32)
+    return weights, ids, logits
 
 
 def _check_extent(op, arg, value):

@@ -5,7 +5,8 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .ops import biased_grouped_topk, prepack_router_weight, router_gemm, routing_weights
+from .ops import (biased_grouped_topk, fused_router, prepack_router_weight, router_gemm,
+                  routing_weights)
 from .presets import PRESETS
 from .reference import unpack_router_weight
 
@@ -105,8 +106,9 @@ class GroupedTopKRouter(torch.nn.Module):
     loads too). The bias stays fp32 whatever ``.to(dtype)`` the model gets: the routing
     kernel reads its dtype, and rounding a bias of ~2 to bf16 changes the chosen experts.
 
-    ``forward`` runs two ops and nothing else (no casts, no host synchronisation), so it
-    traces under ``torch.compile(fullgraph=True)``. Differentiable with the ``nn.Linear``
+    ``forward`` runs one op, :func:`moeext.fused_router` (with bf16 ``logits_dtype`` the two
+    it fuses), and nothing else (no casts, no host synchronisation), so it traces under
+    ``torch.compile(fullgraph=True)``. Differentiable with the ``nn.Linear``
     layout: ``topk_weights`` carries its gradient to ``weight`` and the hidden states (the
     bias and the ids get none, as in :func:`moeext.biased_grouped_topk`). A prepacked weight
     is a serving layout without a gradient formula: its parameter is created with
@@ -297,12 +299,21 @@ class GroupedTopKRouter(torch.nn.Module):
             the logits if asked.
         """
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits = router_gemm(tokens, self.weight, self.logits_dtype)
-        topk_weights, topk_ids = biased_grouped_topk(
-            logits, self.e_score_correction_bias, self.num_expert_group, self.topk_group,
-            self.top_k, self.renormalize, self.routed_scaling_factor, self.scoring_func,
-            self.num_fused_shared_experts, self.shared_expert_weight, self.expert_map,
-            self.expert_counts, self.routed_experts, num_valid_tokens)
+        if self.logits_dtype != torch.float32:
+            # bf16 logits are the GEMM's rounded once; the fused router routes fp32 ones.
+            logits = router_gemm(tokens, self.weight, self.logits_dtype)
+            topk_weights, topk_ids = biased_grouped_topk(
+                logits, self.e_score_correction_bias, self.num_expert_group, self.topk_group,
+                self.top_k, self.renormalize, self.routed_scaling_factor, self.scoring_func,
+                self.num_fused_shared_experts, self.shared_expert_weight, self.expert_map,
+                self.expert_counts, self.routed_experts, num_valid_tokens)
+        else:
+            topk_weights, topk_ids, logits = fused_router(
+                tokens, self.weight, self.e_score_correction_bias, self.num_expert_group,
+                self.topk_group, self.top_k, self.renormalize, self.routed_scaling_factor,
+                self.scoring_func, self.num_fused_shared_experts, self.shared_expert_weight,
+                self.expert_map, self.expert_counts, self.routed_experts, num_valid_tokens,
+                return_logits)
         if return_logits:
             return topk_weights, topk_ids, logits
         return topk_weights, topk_ids

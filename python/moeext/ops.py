@@ -25,6 +25,7 @@ _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _call_biased_grouped_topk = _C.call_biased_grouped_topk
 _call_biased_grouped_topk_out = _C.call_biased_grouped_topk_out
 _call_router_gemm = _C.call_router_gemm
+_call_fused_router = _C.call_fused_router
 _call_routing_weights = _C.call_routing_weights
 _call_zero_tail = _C.call_zero_tail
 _call_zero_tail_tracked = _C.call_zero_tail_tracked
@@ -44,6 +45,7 @@ __all__ = [
     "biased_grouped_topk_out",
     "build_info",
     "cpu_isa",
+    "fused_router",
     "prepack_router_weight",
     "router_gemm",
     "routing_weights",
@@ -338,6 +340,99 @@ def router_gemm(
             return out
         _check_tensors("router_gemm", hidden_states=hidden_states, weight=weight)
     return torch.ops.moeext.router_gemm(hidden_states, weight, out_dtype)
+
+
+def fused_router(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: Optional[torch.Tensor],
+    num_expert_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
+    return_logits: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The router GEMM and the routing in one call, docs/SPEC.md §7: exactly
+    ``biased_grouped_topk(router_gemm(hidden_states, weight), correction_bias, ...)``.
+
+    The fp32 logits are :func:`router_gemm`'s, bit for bit, and are routed as
+    :func:`biased_grouped_topk` routes them, so ids and weights equal the two calls' on the
+    same device. The logits stay inside the call unless ``return_logits``. On a CUDA device,
+    decode batches (up to 16 tokens, bfloat16 inputs, an fp32 bias or none, up to 512
+    experts) run as one kernel: the blocks computing the logits hand them to the last one to
+    finish, which routes the tokens. Other sizes run the two kernels, one after the other.
+    On the CPU the GEMM (the experts split over torch's threads) and then the routing run in
+    one call.
+
+    Args:
+        hidden_states, weight: as for :func:`router_gemm` (a prepacked weight on the CPU).
+        correction_bias, num_expert_group, topk_group, topk, renormalize,
+        routed_scaling_factor, scoring_func: as for :func:`biased_grouped_topk`.
+        num_fused_shared_experts, shared_expert_weight, expert_map, expert_counts,
+        routed_experts, num_valid_tokens: the options of docs/SPEC.md §6, as for
+            :func:`biased_grouped_topk`.
+        return_logits: also return the fp32 logits ``[num_tokens, num_experts]``.
+
+    Returns:
+        ``(topk_weights, topk_ids, logits)``: as :func:`biased_grouped_topk` returns them, and
+        the logits, or ``None`` without ``return_logits``.
+
+    Gradients: where ``hidden_states`` or ``weight`` requires grad (and grad mode is on), the
+    call runs as the two ops, so that each records its gradient; the bits are the same.
+
+    Raises:
+        RuntimeError: naming the offending argument, with the two ops' own messages.
+    """
+    if not _is_scripting() and not _is_dynamo_compiling():
+        out = _call_fused_router(
+            hidden_states,
+            weight,
+            correction_bias,
+            num_expert_group,
+            topk_group,
+            topk,
+            renormalize,
+            routed_scaling_factor,
+            scoring_func,
+            num_fused_shared_experts,
+            shared_expert_weight,
+            expert_map,
+            expert_counts,
+            routed_experts,
+            num_valid_tokens,
+            return_logits,
+        )
+        if out is not NotImplemented:
+            weights, ids, logits = out
+            return weights, ids, logits if return_logits else None
+        _check_tensors("fused_router", hidden_states=hidden_states, weight=weight)
+    weights, ids, logits = torch.ops.moeext.fused_router(
+        hidden_states,
+        weight,
+        correction_bias,
+        num_expert_group,
+        topk_group,
+        topk,
+        renormalize,
+        routed_scaling_factor,
+        scoring_func,
+        num_fused_shared_experts,
+        shared_expert_weight,
+        expert_map,
+        expert_counts,
+        routed_experts,
+        num_valid_tokens,
+        return_logits,
+    )
+    return weights, ids, logits if return_logits else None
 
 
 def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:

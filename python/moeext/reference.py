@@ -213,6 +213,36 @@ def router_gemm(
     return exact.to(torch.float32 if out_dtype is None else out_dtype)
 
 
+def fused_router(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: Optional[torch.Tensor],
+    num_expert_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
+    return_logits: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Reference for ``moeext.fused_router`` (docs/SPEC.md §7): :func:`router_gemm`'s fp32
+    logits routed by :func:`biased_grouped_topk`. The op's contract is equality with its own
+    two ops, bit for bit; against this reference, with its exact product, it agrees as
+    ``router_gemm`` does, to the accumulation error."""
+    logits = router_gemm(hidden_states, weight)
+    weights, ids = biased_grouped_topk(
+        logits, correction_bias, num_expert_group, topk_group, topk, renormalize,
+        routed_scaling_factor, scoring_func, num_fused_shared_experts, shared_expert_weight,
+        expert_map, expert_counts, routed_experts, num_valid_tokens)
+    return weights, ids, logits if return_logits else None
+
+
 def is_prepacked_router_weight(weight: torch.Tensor) -> bool:
     """Whether a router weight is in ``moeext.prepack_router_weight``'s layout
     ``[ceil(H / 2), E, 2]`` (3-D) rather than ``nn.Linear``'s ``[E, H]`` (2-D)."""

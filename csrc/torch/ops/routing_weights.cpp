@@ -14,7 +14,7 @@
 #include "torch/direct_call.h"
 #include "torch/parallel.h"
 #include "torch/routing_backward.h"
-#include "torch/routing_checks.h"
+#include "torch/routing_common.h"
 
 namespace moeext::torch_glue {
 namespace {

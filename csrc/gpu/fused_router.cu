@@ -1,0 +1,247 @@
+// Fused router on the GPU (SPEC.md section 7): the small-T router GEMM and the warp routing
+// kernel as one launch, for decode sizes.
+//
+// Each block of the GEMM computes its slice of the experts' logits into the logits buffer,
+// exactly as router_gemm.cu's kernel does (the same function, router_gemm_block.h), then
+// counts itself done on a completion counter; the block that counts last sees every logit
+// and routes all the tokens, a token per warp, with the warp routing kernel's own function
+// (grouped_topk_warp.h). So the ids and weights are those of router_gemm_gpu then
+// biased_grouped_topk_gpu, bit for bit; what goes is the second launch and the time between
+// the two kernels.
+//
+// The counter: every thread fences its logits stores before its block counts (the pattern
+// of the CUDA programming guide's last-block reduction); the last block resets the counter
+// to zero, so the next launch on the stream, or the next replay of a captured graph, starts
+// from zero with no host involvement. Two launches running at once must not share a counter:
+// fused_router_gpu_counter hands one out per stream and per graph capture.
+#include <functional>
+#include <mutex>
+#include <unordered_map>
+
+#include "gpu/compat.h"
+#include "gpu/grouped_topk_plan.h"
+#include "gpu/grouped_topk_warp.h"
+#include "gpu/router_gemm_block.h"
+#include "gpu/router_gemm_tiling.h"
+#include "moeext/fused_router.h"
+
+namespace moeext {
+namespace {
+
+using gpu::grouped_topk::KernelArgs;
+using gpu::grouped_topk::NoBias;
+using gpu::router_gemm::kThreads;
+
+struct FusedArgs {
+  RouterGemmParams gemm;
+  KernelArgs routing;
+  unsigned* counter;
+  unsigned blocks;
+};
+
+// Whether this block is the last of the grid to be done with its logits; then every other
+// block's logits are visible to all its threads. Every thread of the block calls it.
+__device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks) {
+  __shared__ bool last;
+  __threadfence();  // this thread's logits, before its block is counted
+  __syncthreads();
+  if (gpu::grouped_topk::thread_index() == 0) {
+    const unsigned done_before = atomicAdd(counter, 1u);
+    last = done_before == blocks - 1;
+    // Every block has counted: the counter is free for the next launch.
+    if (last) atomicExch(counter, 0u);
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// One instance per (tokens, warp width, experts per lane, bias dtype, options); the input is
+// bfloat16 and the logits fp32. Instances for a warp width other than the target's, or for
+// a width and experts_per_lane with no warp routing kernel, compile to an empty body.
+template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions>
+__global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
+    fused_router_kernel(const FusedArgs args) {
+  if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE &&
+                gpu::grouped_topk::fast_instance_exists(kWarpSize, V)) {
+    gpu::router_gemm::compute_logits_block<kTokens, kWarpSize, gpu::bf16, float>(
+        args.gemm, int(gpu::grouped_topk::block_index()));
+    if (!finished_last(args.counter, args.blocks)) return;
+    gpu::grouped_topk::route_tokens_per_warp<kWarpSize, V, float, BiasT, kOptions>(args.routing);
+  } else {
+    (void)args;  // never launched for this target
+  }
+}
+
+using Kernel = void (*)(FusedArgs);
+
+template <int kTokens, int kWarpSize, int V, typename BiasT>
+Kernel pick_options(bool options) {
+  return options ? fused_router_kernel<kTokens, kWarpSize, V, BiasT, true>
+                 : fused_router_kernel<kTokens, kWarpSize, V, BiasT, false>;
+}
+
+template <int kTokens, int kWarpSize, int V>
+Kernel pick_bias(bool bias, bool options) {
+  return bias ? pick_options<kTokens, kWarpSize, V, float>(options)
+              : pick_options<kTokens, kWarpSize, V, NoBias>(options);
+}
+
+template <int kTokens, int kWarpSize>
+Kernel pick_experts_per_lane(int experts_per_lane, bool bias, bool options) {
+  switch (experts_per_lane) {
+    case 4: return pick_bias<kTokens, kWarpSize, 4>(bias, options);
+    case 8: return pick_bias<kTokens, kWarpSize, 8>(bias, options);
+    case 12: return pick_bias<kTokens, kWarpSize, 12>(bias, options);
+    case 16: return pick_bias<kTokens, kWarpSize, 16>(bias, options);
+    default: return nullptr;
+  }
+}
+
+template <int kWarpSize>
+Kernel pick_tokens(int token_tile, int experts_per_lane, bool bias, bool options) {
+  switch (token_tile) {
+    case 1: return pick_experts_per_lane<1, kWarpSize>(experts_per_lane, bias, options);
+    case 2: return pick_experts_per_lane<2, kWarpSize>(experts_per_lane, bias, options);
+    case 4: return pick_experts_per_lane<4, kWarpSize>(experts_per_lane, bias, options);
+    case 8: return pick_experts_per_lane<8, kWarpSize>(experts_per_lane, bias, options);
+    case 16: return pick_experts_per_lane<16, kWarpSize>(experts_per_lane, bias, options);
+    default: return nullptr;
+  }
+}
+
+gpu::grouped_topk::FastPathPlan plan_of(const BiasedGroupedTopkParams& r, int warp_size) {
+  return gpu::grouped_topk::plan_fast_path(warp_size, r.num_experts, r.num_expert_group,
+                                           r.topk_group, r.topk);
+}
+
+// ---- Completion counters -----------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+// Per device: one per stream that runs the kernel outside a capture, one per capture.
+constexpr int kCountersPerDevice = 4096;
+
+struct CounterKey {
+  void* stream;
+  unsigned long long capture;  // 0 outside a capture
+  bool operator==(const CounterKey& other) const {
+    return stream == other.stream && capture == other.capture;
+  }
+};
+
+struct CounterKeyHash {
+  size_t operator()(const CounterKey& k) const {
+    return std::hash<void*>()(k.stream) ^ (std::hash<unsigned long long>()(k.capture) * 31u);
+  }
+};
+
+struct DeviceCounters {
+  unsigned* counters = nullptr;  // kCountersPerDevice, zeroed once, never freed
+  std::unordered_map<CounterKey, int, CounterKeyHash> handed_out;
+};
+
+std::mutex counters_mutex;
+DeviceCounters device_counters[kMaxDevices];
+
+}  // namespace
+
+bool fused_router_gpu_supported(const FusedRouterParams& params) {
+  const RouterGemmParams& g = params.gemm;
+  const BiasedGroupedTopkParams& r = params.routing;
+  if (g.input_dtype != DType::kBFloat16 || g.logits_dtype != DType::kFloat32) return false;
+  if (g.num_tokens < 1 || g.hidden_size < 1 || g.num_experts < 1) return false;
+  if (r.gating_output != g.logits || r.gating_dtype != DType::kFloat32 ||
+      r.num_tokens != g.num_tokens || r.num_experts != g.num_experts ||
+      r.gating_col_stride != 1 || r.gating_row_stride != g.logits_row_stride) {
+    return false;
+  }
+  if (r.correction_bias != nullptr && r.bias_dtype != DType::kFloat32) return false;
+  if (biased_grouped_topk_gpu_limit(r) != nullptr) return false;
+  const int warp_size = gpu::warp_size_of_current_device();
+  const int experts_per_lane = plan_of(r, warp_size).experts_per_lane;
+  if (experts_per_lane == 0 || !gpu::grouped_topk::fast_instance_exists(warp_size, experts_per_lane)) {
+    return false;
+  }
+  return router_gemm_gpu_supported(g);
+}
+
+GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
+  if (params.completion_counter == nullptr) return "fused_router_gpu: no completion counter";
+  if (!fused_router_gpu_supported(params)) {
+    return "fused_router_gpu: params not supported by the one-launch kernel; check "
+           "fused_router_gpu_supported";
+  }
+  const int warp_size = gpu::warp_size_of_current_device();
+  const BiasedGroupedTopkParams& r = params.routing;
+  const gpu::grouped_topk::FastPathPlan plan = plan_of(r, warp_size);
+  const int token_tile = gpu::router_gemm_token_tile(params.gemm.num_tokens);
+  const int warps = kThreads / warp_size;
+
+  FusedArgs args;
+  args.gemm = params.gemm;
+  args.routing.p = r;
+  args.routing.group_size = int(r.num_experts / r.num_expert_group);
+  args.routing.lanes_per_group = plan.lanes_per_group;
+  args.routing.group_scores_in_registers = plan.group_scores_in_registers;
+  // Warp w of a routing block starts at token block * warps_per_block + w: with 0 here the
+  // last block's warps, whichever block it is, take tokens w, w + warps, ...
+  args.routing.warps_per_block = 0;
+  args.routing.token_step = warps;
+  args.counter = params.completion_counter;
+  args.blocks = unsigned(gpu::router_gemm_blocks(token_tile, params.gemm.num_experts));
+
+  const bool bias = r.correction_bias != nullptr;
+  const bool options = r.options.any();
+  const Kernel kernel =
+      warp_size == 64
+          ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options)
+          : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options);
+  if (kernel == nullptr) return "fused_router_gpu: no kernel instance for these params";
+  const int64_t smem_bytes = gpu::grouped_topk::fast_smem_bytes(plan, r.num_experts, warps);
+  kernel<<<dim3(args.blocks), dim3(kThreads), size_t(smem_bytes), gpu::as_stream(stream)>>>(
+      args);
+  return gpu::launch_status();
+}
+
+unsigned* fused_router_gpu_counter(void* stream) {
+  int device = 0;
+  if (gpu::current_device(&device) != gpu::kSuccess || device < 0 || device >= kMaxDevices) {
+    (void)gpu::last_error();
+    return nullptr;
+  }
+  bool capturing = false;
+  unsigned long long capture = 0;
+  if (gpu::stream_capture(gpu::as_stream(stream), &capturing, &capture) != gpu::kSuccess) {
+    (void)gpu::last_error();
+    return nullptr;
+  }
+  if (!capturing) capture = 0;
+  const std::lock_guard<std::mutex> lock(counters_mutex);
+  DeviceCounters& d = device_counters[device];
+  if (d.counters == nullptr) {
+    // An allocation would end the capture; the counters come with the first call outside one.
+    if (capturing) return nullptr;
+    void* memory = nullptr;
+    const size_t bytes = kCountersPerDevice * sizeof(unsigned);
+    if (gpu::device_malloc(&memory, bytes) != gpu::kSuccess) {
+      (void)gpu::last_error();
+      return nullptr;
+    }
+    // Zero before any stream may use them: the wait is once per device.
+    if (gpu::memset_async(memory, 0, bytes, gpu::as_stream(stream)) != gpu::kSuccess ||
+        gpu::stream_synchronize(gpu::as_stream(stream)) != gpu::kSuccess) {
+      (void)gpu::last_error();
+      return nullptr;  // the 16 KB leak: a runtime that cannot zero them has failed already
+    }
+    d.counters = static_cast<unsigned*>(memory);
+  }
+  const CounterKey key{stream, capture};
+  const auto found = d.handed_out.find(key);
+  if (found != d.handed_out.end()) return d.counters + found->second;
+  const int next = int(d.handed_out.size());
+  if (next == kCountersPerDevice) return nullptr;
+  d.handed_out.emplace(key, next);
+  return d.counters + next;
+}
+
+}  // namespace moeext

@@ -1,0 +1,207 @@
+// fused_router (docs/SPEC.md section 7): the router GEMM and the routing in one call, the
+// logits kept inside it unless asked for. The CPU and GPU implementations, autograd, and the
+// direct call of the Python wrapper; the checks are the two ops' own (router_gemm_common.h,
+// routing_common.h).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "moeext/fused_router.h"
+#include "torch/autograd_kernels.h"
+#include "torch/binding.h"
+#include "torch/direct_call.h"
+#include "torch/router_gemm_common.h"
+#include "torch/routing_common.h"
+
+namespace moeext::torch_glue {
+namespace {
+
+// ---- Launch, per device ------------------------------------------------------------------
+
+// The two kernels one after the other, the logits in between never leaving the call. The
+// GEMM splits the experts over the threads, so a token's logits are complete only once every
+// thread is done: the routing starts after the last.
+void launch(Cpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
+            const at::Tensor& weight, at::Tensor& logits, const char* op) {
+  if (p.gemm.num_tokens == 0) return;
+  run_router_gemm(Cpu{}, p.gemm, hidden_states, weight, logits, op);
+  run_routing(Cpu{}, p.routing, logits, op);
+}
+
+#if defined(MOEEXT_GPU_BACKEND)
+// Decode sizes as one kernel (fused_router_gpu_supported); the rest as router_gemm and
+// biased_grouped_topk run them, one after the other on the stream.
+void launch(Gpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
+            const at::Tensor& weight, at::Tensor& logits, const char* op) {
+  const char* limit = biased_grouped_topk_gpu_limit(p.routing);
+  TORCH_CHECK(limit == nullptr, limit);
+  if (p.gemm.num_tokens == 0) return;
+  const c10::DeviceGuard guard(hidden_states.device());
+  void* stream = Gpu::stream(hidden_states);
+  if (fused_router_gpu_supported(p)) {
+    FusedRouterParams one_launch = p;
+    one_launch.completion_counter = fused_router_gpu_counter(stream);
+    if (one_launch.completion_counter != nullptr) {
+      Gpu::check_launch(fused_router_gpu(one_launch, stream), op);
+      return;
+    }
+  }
+  run_router_gemm(Gpu{}, p.gemm, hidden_states, weight, logits, op);
+  run_routing(Gpu{}, p.routing, logits, op);
+}
+#endif
+
+// ---- The op ------------------------------------------------------------------------------
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
+    const at::Tensor& hidden_states, const at::Tensor& weight,
+    const std::optional<at::Tensor>& correction_bias, int64_t num_expert_group,
+    int64_t topk_group, int64_t topk, bool renormalize, double routed_scaling_factor,
+    c10::string_view scoring_func, int64_t num_fused_shared_experts, double shared_expert_weight,
+    const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& expert_counts,
+    const std::optional<at::Tensor>& routed_experts,
+    const std::optional<at::Tensor>& num_valid_tokens, bool return_logits) {
+  constexpr const char* op = "fused_router";
+  Device::check_device(hidden_states, op, "hidden_states");
+#if defined(MOEEXT_GPU_BACKEND)
+  if constexpr (std::is_same_v<Device, Gpu>) {
+    TORCH_CHECK(!is_prepacked(weight), op,
+                ": a prepacked weight (moeext.prepack_router_weight) is a CPU layout; on ",
+                hidden_states.device(), " pass the [num_experts, hidden_size] weight");
+  }
+#endif
+  check_router_gemm(hidden_states, weight, std::nullopt, op);
+  const int64_t num_tokens = hidden_states.size(0);
+  // The logits the routing reads: router_gemm's fp32 ones, bit for bit.
+  at::Tensor logits =
+      Device::empty({num_tokens, num_experts_of(weight)}, at::kFloat, hidden_states);
+  const ScoringFunc scoring =
+      check_routing(logits, correction_bias, num_expert_group, topk_group, topk,
+                    as_std(scoring_func), op, "hidden_states");
+  const OptionArgs options{num_fused_shared_experts, shared_expert_weight, expert_map,
+                           expert_counts, routed_experts, num_valid_tokens};
+  const bool any_option = options.any();
+  if (any_option) check_shared_experts(num_fused_shared_experts, op);
+  const int64_t columns = topk + num_fused_shared_experts;
+  at::Tensor topk_weights = Device::empty({num_tokens, columns}, at::kFloat, hidden_states);
+  at::Tensor topk_ids = Device::empty({num_tokens, columns}, at::kInt, hidden_states);
+  const at::Tensor hidden = with_contiguous_rows(hidden_states);
+  const at::Tensor gate = is_prepacked(weight) ? weight : with_contiguous_rows(weight);
+  FusedRouterParams p;
+  p.gemm = fill_router_gemm_params(hidden, gate, logits);
+  p.routing = fill_routing_params(logits, correction_bias, topk_weights, topk_ids,
+                                  num_expert_group, topk_group, topk, renormalize,
+                                  routed_scaling_factor, scoring);
+  if (any_option) {
+    p.routing.options = check_options(options, logits, topk, op, "hidden_states");
+    check_writes_apart(p.routing, /*outputs=*/false, op);
+  }
+  launch(Device{}, p, hidden, gate, logits, op);
+  if (!return_logits) logits = Device::empty({0, logits.size(1)}, at::kFloat, hidden_states);
+  return {topk_weights, topk_ids, logits};
+}
+
+using Signature = decltype(fused_router<Cpu>);
+
+const c10::TypedOperatorHandle<Signature>& handle() {
+  static const auto h = typed_op<Signature>("moeext::fused_router");
+  return h;
+}
+
+// ---- Autograd ----------------------------------------------------------------------------
+// Where an input requires grad, the call is the two ops it fuses, through the dispatcher, so
+// that each records its own gradient (the weights' to the logits, the logits' to the hidden
+// states and the weight); the result is the same bits.
+
+c10::IValue optional_tensor(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::IValue(*t) : c10::IValue();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& hidden_states, const at::Tensor& weight,
+    const std::optional<at::Tensor>& correction_bias, int64_t num_expert_group,
+    int64_t topk_group, int64_t topk, bool renormalize, double routed_scaling_factor,
+    c10::string_view scoring_func, int64_t num_fused_shared_experts, double shared_expert_weight,
+    const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& expert_counts,
+    const std::optional<at::Tensor>& routed_experts,
+    const std::optional<at::Tensor>& num_valid_tokens, bool return_logits) {
+  const bool requires_grad =
+      at::GradMode::is_enabled() && (hidden_states.requires_grad() || weight.requires_grad());
+  if (!requires_grad) {
+    auto outputs = handle().redispatch(
+        keys & c10::after_autograd_keyset, hidden_states, weight, correction_bias,
+        num_expert_group, topk_group, topk, renormalize, routed_scaling_factor, scoring_func,
+        num_fused_shared_experts, shared_expert_weight, expert_map, expert_counts,
+        routed_experts, num_valid_tokens, return_logits);
+    // The options' buffers are written in place: their versions move (see
+    // biased_grouped_topk's Autograd kernel).
+    bump_version_of_written(expert_counts);
+    bump_version_of_written(routed_experts);
+    return outputs;
+  }
+  static const c10::OperatorHandle router_gemm =
+      c10::Dispatcher::singleton().findSchemaOrThrow("moeext::router_gemm", "");
+  static const c10::OperatorHandle routing =
+      c10::Dispatcher::singleton().findSchemaOrThrow("moeext::biased_grouped_topk", "");
+  torch::jit::Stack stack{hidden_states, weight, c10::IValue()};
+  router_gemm.callBoxed(stack);
+  const at::Tensor logits = stack[0].toTensor();
+  stack = {logits,
+           optional_tensor(correction_bias),
+           num_expert_group,
+           topk_group,
+           topk,
+           renormalize,
+           routed_scaling_factor,
+           std::string(as_std(scoring_func)),
+           num_fused_shared_experts,
+           shared_expert_weight,
+           optional_tensor(expert_map),
+           optional_tensor(expert_counts),
+           optional_tensor(routed_experts),
+           optional_tensor(num_valid_tokens)};
+  routing.callBoxed(stack);
+  const at::Tensor returned_logits =
+      return_logits ? logits : at::empty({0, logits.size(1)}, logits.options());
+  return {stack[0].toTensor(), stack[1].toTensor(), returned_logits};
+}
+
+// ---- Direct call -------------------------------------------------------------------------
+
+// As router_gemm's: 64k multiply-adds take about a microsecond even on the vector paths.
+struct ComputesMuch {
+  template <typename... Rest>
+  static bool test(const at::Tensor& hidden_states, const at::Tensor& weight, const Rest&...) {
+    const int64_t tokens = hidden_states.dim() > 0 ? hidden_states.size(0) : 0;
+    return tokens * weight.numel() >= (int64_t(1) << 16);
+  }
+};
+
+const DirectCallRegistration kDirectCall{
+    "call_fused_router", &DirectCall<Signature>::call<&handle, ComputesMuch>,
+    "moeext.fused_router's direct call of the op: all sixteen arguments positionally, of the "
+    "plain Python types; returns NotImplemented for anything else."};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moeext, CPU, m) {
+  m.impl("fused_router", &fused_router<Cpu>);
+}
+
+#if defined(MOEEXT_GPU_BACKEND)
+TORCH_LIBRARY_IMPL(moeext, CUDA, m) {
+  m.impl("fused_router", &fused_router<Gpu>);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
+  m.impl("fused_router", &fused_router_autograd);
+}
+
+}  // namespace moeext::torch_glue

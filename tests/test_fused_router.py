@@ -1,0 +1,369 @@
+"""moeext.fused_router (docs/SPEC.md section 7): the router GEMM and the routing in one call.
+
+Its contract is the two-call composition ``biased_grouped_topk(router_gemm(...))`` on the same
+device and CPU path, bit for bit, so every result here is compared with torch.equal against
+those two ops run on the same inputs; test_matches_the_reference ties both to the fp64
+reference as tests/test_router_gemm.py and tests/test_grouped_topk.py do.
+"""
+
+import pytest
+import torch
+
+import moeext
+from conftest import GPU_DEVICES
+from moeext import reference
+from moeext.presets import PRESETS
+from routing_check import assert_routing_matches
+from test_router_gemm import assert_close_to_reference
+
+PRESET_NAMES = ["deepseek-v3", "kimi-k2", "glm-4.5", "deepseek-v4-flash", "nemotron-style",
+                "deepseek-v2"]
+
+
+def make_inputs(num_tokens, hidden_size, preset, seed=0, device="cpu", dtype=torch.bfloat16,
+                bias_dtype=torch.float32):
+    p = PRESETS[preset]
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, hidden_size, generator=g).to(dtype)
+    # A gate at DeepSeek-V3's init scale, whose logits are still spread out enough to route.
+    weight = (0.05 * torch.randn(p.num_experts, hidden_size, generator=g)).to(dtype)
+    bias = None
+    if p.has_bias and bias_dtype is not None:
+        bias = (2.0 + 0.05 * torch.randn(p.num_experts, generator=g)).to(bias_dtype)
+    return hidden.to(device), weight.to(device), None if bias is None else bias.to(device)
+
+
+def two_calls(hidden, weight, bias, p, **options):
+    logits = moeext.router_gemm(hidden, weight)
+    weights, ids = moeext.biased_grouped_topk(logits, bias, **p.op_kwargs(), **options)
+    return weights, ids, logits
+
+
+def assert_equal(got, expected):
+    """Bit for bit (NaN included)."""
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape and g.device == e.device
+        if g.dtype == torch.float32:
+            g, e = g.view(torch.int32), e.view(torch.int32)
+        assert torch.equal(g, e)
+
+
+# ---- The composition, bit for bit ----------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_equals_the_two_calls(device_isa, preset, num_tokens):
+    device, _ = device_isa
+    p = PRESETS[preset]
+    hidden, weight, bias = make_inputs(num_tokens, 512, preset, seed=num_tokens, device=device)
+    expected = two_calls(hidden, weight, bias, p)
+    got = moeext.fused_router(hidden, weight, bias, **p.op_kwargs(), return_logits=True)
+    assert_equal(got, expected)
+    weights, ids, logits = moeext.fused_router(hidden, weight, bias, **p.op_kwargs())
+    assert logits is None
+    assert_equal((weights, ids), expected[:2])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_equals_the_two_calls_at_the_models_gate(device_isa, preset, num_tokens):
+    device, _ = device_isa
+    p = PRESETS[preset]
+    hidden, weight, bias = make_inputs(num_tokens, 7168, preset, seed=7, device=device)
+    weight = weight * 0.4  # ~0.02, the init scale, at H = 7168
+    expected = two_calls(hidden, weight, bias, p)
+    assert_equal(moeext.fused_router(hidden, weight, bias, **p.op_kwargs(), return_logits=True),
+                 expected)
+
+
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_dtype_pair(device_isa, dtype, bias_dtype):
+    device, _ = device_isa
+    p = PRESETS["deepseek-v3"]
+    for num_tokens in (1, 6):
+        hidden, weight, bias = make_inputs(num_tokens, 264, "deepseek-v3", seed=num_tokens,
+                                           device=device, dtype=dtype, bias_dtype=bias_dtype)
+        expected = two_calls(hidden, weight, bias, p)
+        assert_equal(moeext.fused_router(hidden, weight, bias, **p.op_kwargs(),
+                                         return_logits=True), expected)
+
+
+@pytest.mark.parametrize("hidden_size", [1, 7, 33, 130])
+def test_odd_hidden_sizes(device_isa, hidden_size):
+    device, _ = device_isa
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(5, hidden_size, "deepseek-v3", device=device)
+    weight = weight * 10  # logits of unit scale whatever H
+    assert_equal(moeext.fused_router(hidden, weight, bias, **p.op_kwargs(), return_logits=True),
+                 two_calls(hidden, weight, bias, p))
+
+
+def test_non_contiguous_inputs(device_isa):
+    device, _ = device_isa
+    p = PRESETS["kimi-k2"]
+    hidden, weight, bias = make_inputs(9, 256, "kimi-k2", device=device)
+    wide = torch.zeros(9, 320, dtype=hidden.dtype, device=device)
+    wide[:, 32:288] = hidden
+    strided_hidden = wide[:, 32:288]  # rows 320 apart
+    column_strided_weight = weight.T.contiguous().T  # stride(1) != 1: copied by the op
+    strided_bias = torch.stack([bias, bias], dim=1)[:, 0]
+    expected = two_calls(hidden, weight, bias, p)
+    got = moeext.fused_router(strided_hidden, column_strided_weight, strided_bias,
+                              **p.op_kwargs(), return_logits=True)
+    assert_equal(got, expected)
+
+
+def test_non_finite_rows(device_isa):
+    device, _ = device_isa
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, _ = make_inputs(6, 256, "deepseek-v3", device=device)
+    hidden[1] = float("nan")
+    hidden[2, 5] = float("inf")
+    hidden[3, :] = float("-inf")
+    hidden[4] = 0.0  # every logit 0, and no bias: all ties, broken by the lower id
+    expected = two_calls(hidden, weight, None, p)
+    got = moeext.fused_router(hidden, weight, None, **p.op_kwargs(), return_logits=True)
+    assert_equal(got, expected)
+    assert bool(torch.isnan(got[2][1]).all())
+    # Groups 0-3 kept, and in them the first 8 ids.
+    assert torch.equal(got[1][4].cpu(), torch.arange(8, dtype=torch.int32))
+
+
+def test_no_tokens_and_the_empty_logits(device):
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(0, 64, "deepseek-v3", device=device)
+    weights, ids, logits = moeext.fused_router(hidden, weight, bias, **p.op_kwargs(),
+                                               return_logits=True)
+    assert weights.shape == ids.shape == (0, 8) and logits.shape == (0, 256)
+    _, _, not_asked = torch.ops.moeext.fused_router(hidden, weight, bias, 8, 4, 8)
+    assert not_asked.shape == (0, 256) and not_asked.dtype == torch.float32
+
+
+def test_prepacked_weight():
+    p = PRESETS["deepseek-v3"]
+    for num_tokens in (1, 3, 12):
+        hidden, weight, bias = make_inputs(num_tokens, 200, "deepseek-v3", seed=num_tokens)
+        packed = moeext.prepack_router_weight(weight)
+        expected = two_calls(hidden, packed, bias, p)
+        assert_equal(moeext.fused_router(hidden, packed, bias, **p.op_kwargs(),
+                                         return_logits=True), expected)
+
+
+def test_matches_the_reference(device):
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(33, 384, "deepseek-v3", device=device)
+    weights, ids, logits = moeext.fused_router(hidden, weight, bias, **p.op_kwargs(),
+                                               return_logits=True)
+    assert_close_to_reference(logits.cpu(), hidden.cpu(), weight.cpu())
+    assert_routing_matches(weights.cpu(), ids.cpu(), logits.cpu(), bias.cpu(), **p.op_kwargs())
+    ref = reference.fused_router(hidden.cpu(), weight.cpu(), bias.cpu(), **p.op_kwargs())
+    assert ref[2] is None and ref[0].shape == weights.shape
+
+
+# ---- The routing options ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 37])
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2", "deepseek-v2"])
+def test_every_option(device_isa, preset, num_tokens):
+    device, _ = device_isa
+    p = PRESETS[preset]
+    hidden, weight, bias = make_inputs(num_tokens, 256, preset, seed=num_tokens, device=device)
+    shared = 1
+    g = torch.Generator().manual_seed(num_tokens)
+    expert_map = torch.randperm(p.num_experts + shared, generator=g).to(torch.int32).to(device)
+    valid = torch.tensor([num_tokens - num_tokens // 3], dtype=torch.int64, device=device)
+
+    def buffers():
+        return (torch.arange(p.num_experts, dtype=torch.int32, device=device),
+                torch.full((num_tokens + 2, p.topk), -1, dtype=torch.int16, device=device))
+
+    expected_counts, expected_record = buffers()
+    options = dict(num_fused_shared_experts=shared, shared_expert_weight=0.25,
+                   expert_map=expert_map, num_valid_tokens=valid)
+    expected = two_calls(hidden, weight, bias, p, expert_counts=expected_counts,
+                         routed_experts=expected_record, **options)
+    counts, record = buffers()
+    got = moeext.fused_router(hidden, weight, bias, **p.op_kwargs(), expert_counts=counts,
+                              routed_experts=record, **options, return_logits=True)
+    assert_equal((*got, counts, record), (*expected, expected_counts, expected_record))
+
+
+# ---- Bad input: a clear error naming the argument, and nothing written -----------------------
+
+def _error_cases():
+    p = PRESETS["deepseek-v3"]
+    kw = p.op_kwargs()
+
+    def call(hidden=None, weight=None, bias="default", **changes):
+        def run(device, counts):
+            h, w, b = make_inputs(3, 64, "deepseek-v3", device=device)
+            args = dict(kw, expert_counts=counts)
+            args.update(changes)
+            for name in ("expert_map", "routed_experts", "num_valid_tokens"):
+                if callable(args.get(name)):
+                    args[name] = args[name](device)
+            return moeext.fused_router(
+                h if hidden is None else hidden(device), w if weight is None else weight(device),
+                b if bias == "default" else (bias(device) if callable(bias) else bias), **args)
+        return run
+
+    return [
+        (call(hidden=lambda d: torch.randn(3, 64, 1, device=d)),
+         r"fused_router: hidden_states must be 2-D \[num_tokens, hidden_size\]"),
+        (call(weight=lambda d: torch.randn(256, 64, device=d)),
+         r"fused_router: weight must have the dtype of hidden_states \(BFloat16\), got Float"),
+        (call(weight=lambda d: torch.randn(256, 65, device=d).bfloat16()),
+         r"fused_router: weight must have shape \[num_experts, 64\]"),
+        (call(bias=lambda d: torch.zeros(255, device=d)),
+         r"fused_router: correction_bias must have shape \[256\]"),
+        (call(num_expert_group=7), r"fused_router: num_expert_group \(7\) must divide"),
+        (call(topk=0), r"fused_router: topk must be >= 1"),
+        (call(scoring_func="tanh"), r"fused_router: scoring_func must be"),
+        (call(expert_map=lambda d: torch.zeros(255, dtype=torch.int32, device=d)),
+         r"fused_router: expert_map must be int32 of shape \[256\]"),
+        (call(routed_experts=lambda d: torch.zeros(2, 8, dtype=torch.int32, device=d)),
+         r"fused_router: routed_experts"),
+        (call(num_fused_shared_experts=-1), r"fused_router: num_fused_shared_experts must be >= 0"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_error_cases())))
+def test_errors_name_the_argument_and_write_nothing(device, case):
+    run, message = _error_cases()[case]
+    counts = torch.full((256,), 5, dtype=torch.int64, device=device)
+    with pytest.raises(RuntimeError, match=message):
+        run(device, counts)
+    assert bool((counts == 5).all())
+
+
+def test_none_for_a_tensor_is_named(device):
+    with pytest.raises(RuntimeError, match="fused_router: hidden_states must be a tensor, got None"):
+        moeext.fused_router(None, torch.randn(8, 4, device=device), None, 1, 1, 2)
+    with pytest.raises(RuntimeError, match="fused_router: weight must be a tensor, got None"):
+        moeext.fused_router(torch.randn(2, 4, device=device), None, None, 1, 1, 2)
+
+
+def test_a_bias_on_another_device_is_named():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hidden, weight = torch.empty(2, 16), torch.empty(8, 16)
+        with pytest.raises(RuntimeError, match="fused_router: correction_bias is on cuda:0 but "
+                                               "hidden_states is on cpu"):
+            torch.ops.moeext.fused_router(hidden, weight, torch.empty(8, device="cuda"), 1, 1, 2)
+
+
+@pytest.mark.parametrize("device_of_call", ["cpu", "meta"])  # the kernel, then the fake
+def test_fake_and_kernel_reject_alike(device_of_call):
+    hidden = torch.zeros(3, 16, device=device_of_call)
+    weight = torch.zeros(12, 16, device=device_of_call)
+    with pytest.raises(RuntimeError, match=r"fused_router: num_expert_group \(5\) must divide"):
+        moeext.fused_router(hidden, weight, None, 5, 1, 2)
+    with pytest.raises(RuntimeError, match=r"fused_router: weight must have shape"):
+        moeext.fused_router(hidden, weight[:, :15], None, 1, 1, 2)
+    weights, ids, logits = moeext.fused_router(hidden, weight, None, 3, 2, 4, return_logits=True)
+    assert weights.shape == (3, 4) and ids.dtype == torch.int32 and logits.shape == (3, 12)
+
+
+# ---- Gradients -------------------------------------------------------------------------------
+
+def test_gradients_are_the_two_ops(device):
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(5, 128, "deepseek-v3", device=device,
+                                       dtype=torch.float32)
+    results = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        if fused:
+            weights, ids, _ = moeext.fused_router(h, w, bias, **p.op_kwargs())
+        else:
+            weights, ids, _ = two_calls(h, w, bias, p)
+        (weights * torch.arange(1.0, 9.0, device=device)).sum().backward()
+        results.append((weights.detach(), ids, h.grad, w.grad))
+    assert_equal(results[0], results[1])
+
+
+# ---- torch.library and torch.compile ---------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 19])
+def test_opcheck(device, num_tokens):
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(num_tokens, 96, "deepseek-v3", device=device)
+    op = torch.ops.moeext.fused_router.default
+    torch.library.opcheck(op, (hidden, weight, bias, 8, 4, 8, True, 2.5, "sigmoid"))
+    torch.library.opcheck(op, (hidden, weight, None, 8, 4, 8, False, 1.0, "softmax", 0, 1.0,
+                               None, None, None, None, True))
+    counts = torch.zeros(256, dtype=torch.int32, device=device)
+    record = torch.zeros(num_tokens + 1, 8, dtype=torch.int16, device=device)
+    expert_map = torch.arange(257, dtype=torch.int32, device=device)
+    torch.library.opcheck(op, (hidden, weight, bias, 8, 4, 8, True, 2.5, "sigmoid", 1, 0.5,
+                               expert_map, counts, record, None, True))
+
+
+def test_opcheck_with_gradient(device):
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(7, 64, "deepseek-v3", device=device, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.moeext.fused_router.default,
+                          (hidden.requires_grad_(), weight.requires_grad_(), bias, 8, 4, 8,
+                           True, 2.5, "sigmoid"))
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_compile_fullgraph_dynamic_tokens(device, return_logits):
+    torch._dynamo.reset()
+    p = PRESETS["kimi-k2"]
+    counts = torch.zeros(p.num_experts, dtype=torch.int64, device=device)
+
+    def route(hidden, weight, bias):
+        weights, ids, logits = moeext.fused_router(hidden * 1.0, weight, bias, **p.op_kwargs(),
+                                                   expert_counts=counts,
+                                                   return_logits=return_logits)
+        return (weights * 2, ids) + ((logits,) if return_logits else ())
+
+    compiled = torch.compile(route, fullgraph=True, dynamic=True)
+    for num_tokens in (3, 17, 1):
+        hidden, weight, bias = make_inputs(num_tokens, 128, "kimi-k2", seed=num_tokens,
+                                           device=device)
+        before = counts.clone()
+        expected = route(hidden, weight, bias)
+        after_eager = counts.clone()
+        got = compiled(hidden, weight, bias)
+        assert_equal(got, expected)
+        assert torch.equal(counts - after_eager, after_eager - before)
+
+
+# ---- The wrapper's direct call ---------------------------------------------------------------
+
+def test_direct_call_is_the_op(device):
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(4, 64, "deepseek-v3", device=device)
+    args = (hidden, weight, bias, 8, 4, 8, True, 2.5, "sigmoid", 0, 1.0, None, None, None, None,
+            True)
+    direct = moeext._C.call_fused_router(*args)
+    assert isinstance(direct, tuple)  # taken, not declined
+    assert_equal(direct, torch.ops.moeext.fused_router(*args))
+    assert moeext._C.call_fused_router(*args[:6]) is not NotImplemented  # the defaults
+    assert moeext._C.call_fused_router(*args[:5]) is NotImplemented  # topk missing
+    assert moeext._C.call_fused_router(*args[:8], "sigmoid".encode()) is NotImplemented
+
+
+# ---- The GPU's one launch: its completion counter --------------------------------------------
+
+@pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
+def test_repeated_calls_on_two_streams():
+    # Each call resets its counter; calls on two streams at once use a counter each.
+    p = PRESETS["deepseek-v3"]
+    inputs = [make_inputs(t, 7168, "deepseek-v3", seed=t, device="cuda") for t in (1, 3, 16)]
+    expected = [two_calls(h, w, b, p)[:2] for h, w, b in inputs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = []
+    torch.cuda.synchronize()
+    for round in range(20):
+        for i, (h, w, b) in enumerate(inputs):
+            with torch.cuda.stream(streams[(round + i) % 2]):
+                results.append((i, moeext.fused_router(h, w, b, **p.op_kwargs())[:2]))
+    torch.cuda.synchronize()
+    for i, got in results:
+        assert_equal(got, expected[i])
