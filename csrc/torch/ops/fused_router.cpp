@@ -174,17 +174,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router_autograd(
 
 // ---- Direct call -------------------------------------------------------------------------
 
-// As router_gemm's: 64k multiply-adds take about a microsecond even on the vector paths.
-struct ComputesMuch {
-  template <typename... Rest>
-  static bool test(const at::Tensor& hidden_states, const at::Tensor& weight, const Rest&...) {
-    const int64_t tokens = hidden_states.dim() > 0 ? hidden_states.size(0) : 0;
-    return tokens * weight.numel() >= (int64_t(1) << 16);
-  }
-};
-
 const DirectCallRegistration kDirectCall{
-    "call_fused_router", &DirectCall<Signature>::call<&handle, ComputesMuch>,
+    "call_fused_router", &DirectCall<Signature>::call<&handle, RouterGemmComputesMuch>,
     "moeext.fused_router's direct call of the op: all sixteen arguments positionally, of the "
     "plain Python types; returns NotImplemented for anything else."};
 

@@ -107,18 +107,8 @@ at::Tensor router_gemm_autograd(c10::DispatchKeySet keys, const at::Tensor& hidd
 
 // ---- Direct call -------------------------------------------------------------------------
 
-// 64k multiply-adds take about a microsecond even on the vector paths: long enough to let
-// another Python thread run meanwhile.
-struct ComputesMuch {
-  static bool test(const at::Tensor& hidden_states, const at::Tensor& weight,
-                   const std::optional<at::ScalarType>&) {
-    const int64_t tokens = hidden_states.dim() > 0 ? hidden_states.size(0) : 0;
-    return tokens * weight.numel() >= (int64_t(1) << 16);
-  }
-};
-
 const DirectCallRegistration kDirectCall{
-    "call_router_gemm", &DirectCall<Signature>::call<&handle, ComputesMuch>,
+    "call_router_gemm", &DirectCall<Signature>::call<&handle, RouterGemmComputesMuch>,
     "moeext.router_gemm's direct call of the op: all three arguments positionally, of the "
     "plain Python types; returns NotImplemented for anything else."};
 
