@@ -189,7 +189,7 @@ MOEEXT_ALWAYS_INLINE void softmax_lanewise(float* lanes, int64_t num_experts) {
   const Vec inverse = Vec::set1(1.0f) / V::reduce_add_lanewise(sum);
   for (int64_t e = 0; e < num_experts; ++e) {
     Vec s = Vec::load(lanes + e * W) * inverse;
-    if constexpr (!kHasBias) s = Vec::max(s, Vec::set1(kNegInf));  // NaN gives -inf
+    if constexpr (!kHasBias) s = nan_to_neg_inf(s);
     s.store(lanes + e * W);
   }
 }
@@ -232,7 +232,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     for (int64_t r = 0; r < W; ++r) rows[r] = Vec::load(tile + r * W);
     V::transpose(rows);
     for (int64_t l = 0; l < W; ++l) {
-      if (!has_bias && scored) rows[l] = Vec::max(rows[l], Vec::set1(kNegInf));  // NaN: -inf
+      if (!has_bias && scored) rows[l] = nan_to_neg_inf(rows[l]);
       rows[l].store(tile + l * W);
     }
   }
@@ -245,7 +245,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     for (int64_t e = 0; e < num_experts; ++e) {
       Vec x = Vec::load(lanes + e * W);
       if constexpr (has_bias) {
-        x = Vec::max(x + Vec::set1(bias_at(bias, e)), Vec::set1(kNegInf));
+        x = nan_to_neg_inf(x + Vec::set1(bias_at(bias, e)));
       }
       slots.offer(x, x_id);
       x_id = x_id + Vec::set1(1.0f);
