@@ -12,10 +12,14 @@
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
 
-// Keys as host_device/routing.h packs them; every value keyed here (b, group scores) is
-// NaN-free, so the packing skips the NaN test.
+// Keys and group scores as the GPU kernels form them. Every value keyed here (b, group
+// scores) is NaN-free, so the keys skip the NaN test.
+using host_device::group_score;
 using host_device::key_index;
 using host_device::make_key_nan_free;
+using host_device::Top2Of;
+using host_device::top2_empty;
+using host_device::top2_push;
 
 // keys[0, count) holds the best keys seen so far, descending; capacity is k.
 inline void topk_insert(uint64_t* keys, int64_t& count, int64_t k, uint64_t key) {
@@ -129,7 +133,8 @@ MOEEXT_ALWAYS_INLINE auto with_rank_vecs(int64_t n, Args... args) {
 // its two largest b (a repeated maximum counts twice); without, its maximum. The second
 // largest is kept either way: it bounds step 4's floor. kGroups is a compile-time count, so
 // the loops unroll and the 2 * kGroups running vectors stay in registers; groups
-// n..kGroups-1 are padding.
+// n..kGroups-1 are padding. On a tie of -0 and +0 either may come out: the group scores and
+// seconds are only compared and keyed, which count the two as equal.
 // Lane g of score / second: group g's score and second largest b (-inf past n).
 struct GroupTop2 {
   Vec score, second;
@@ -140,25 +145,18 @@ inline GroupTop2 score_group_chunk(const float* b, int64_t group_size, int n) {
   Vec first[kGroups], second[kGroups];
 #pragma GCC unroll 16
   for (int i = 0; i < kGroups; ++i) {
-    Vec f = Vec::set1(kNegInf), s = Vec::set1(kNegInf);
+    Top2Of<Vec> top = top2_empty<Vec>();
     if (i < n) {
       for (int64_t e = 0; e < group_size; e += W) {
-        const Vec x =
-            Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf);
-        s = Vec::max(s, Vec::min(f, x));
-        f = Vec::max(f, x);
+        top = top2_push(
+            top, Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf));
       }
     }
-    first[i] = f;
-    second[i] = s;
+    first[i] = top.first;
+    second[i] = top.second;
   }
   Vec::reduce_groups_top2<kGroups>(first, second);
-  Vec score = first[0];
-  if (kTop2 && group_size > 1) {  // a group of one expert scores that expert's b
-    // +inf + -inf is NaN: it ranks as -inf like NaN in b (max returns -inf for a NaN sum).
-    score = Vec::max(first[0] + second[0], Vec::set1(kNegInf));
-  }
-  return {score, second[0]};
+  return {group_score(Top2Of<Vec>{first[0], second[0]}, kTop2, group_size), second[0]};
 }
 
 // With groups and k <= 2 * topk_group, the groups' top-2 give a floor without reading b again
