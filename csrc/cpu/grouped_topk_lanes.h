@@ -78,17 +78,15 @@ struct LaneSlots {
 // (as a float), for j < k <= kMaxK.
 template <int kMaxK>
 MOEEXT_ALWAYS_INLINE void write_lane_outputs(const BiasedGroupedTopkParams& p, int64_t t0,
-                                             int64_t k, Vec* w, const Vec* id,
+                                             int64_t k, const Vec* w, const Vec* id,
                                              typename Vec::Mask rows) {
   Vec sum = Vec::set1(0.0f);
   for (int64_t j = 0; j < k; ++j) sum = sum + w[j];
-  const Vec denom = sum + Vec::set1(1e-20f);
   const Vec scale = Vec::set1(p.routed_scaling_factor);
   alignas(64) float out_weights[kMaxK][W];
   alignas(64) float out_ids[kMaxK][W];
   for (int64_t j = 0; j < k; ++j) {
-    if (p.renormalize) w[j] = w[j] / denom;
-    (w[j] * scale).store(out_weights[j]);
+    finalize_weight(w[j], sum, p.renormalize, scale).store(out_weights[j]);
     id[j].store(out_ids[j]);
   }
   for (int64_t r = 0; r < W; ++r) {
@@ -295,8 +293,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
       slots.id[j].store(ids);
       alignas(64) float s[W];
       for (int64_t r = 0; r < W; ++r) s[r] = lanes[int64_t(ids[r]) * W + r];
-      w[j] = Vec::load(s);
-      w[j] = Vec::select(Vec::is_nan(w[j]), Vec::set1(0.0f), w[j]);
+      w[j] = weight_of_score(Vec::load(s));
     } else {
       w[j] = Vec::max(slots.v[j], Vec::set1(0.0f));  // b = -inf (a NaN score) weighs 0
     }
