@@ -18,8 +18,6 @@ using host_device::group_score;
 using host_device::key_index;
 using host_device::make_key_nan_free;
 using host_device::Top2Of;
-using host_device::top2_empty;
-using host_device::top2_push;
 
 // keys[0, count) holds the best keys seen so far, descending; capacity is k.
 inline void topk_insert(uint64_t* keys, int64_t& count, int64_t k, uint64_t key) {
@@ -133,8 +131,7 @@ MOEEXT_ALWAYS_INLINE auto with_rank_vecs(int64_t n, Args... args) {
 // its two largest b (a repeated maximum counts twice); without, its maximum. The second
 // largest is kept either way: it bounds step 4's floor. kGroups is a compile-time count, so
 // the loops unroll and the 2 * kGroups running vectors stay in registers; groups
-// n..kGroups-1 are padding. On a tie of -0 and +0 either may come out: the group scores and
-// seconds are only compared and keyed, which count the two as equal.
+// n..kGroups-1 are padding.
 // Lane g of score / second: group g's score and second largest b (-inf past n).
 struct GroupTop2 {
   Vec score, second;
@@ -145,15 +142,18 @@ inline GroupTop2 score_group_chunk(const float* b, int64_t group_size, int n) {
   Vec first[kGroups], second[kGroups];
 #pragma GCC unroll 16
   for (int i = 0; i < kGroups; ++i) {
-    Top2Of<Vec> top = top2_empty<Vec>();
+    Vec f = Vec::set1(kNegInf), s = Vec::set1(kNegInf);
     if (i < n) {
       for (int64_t e = 0; e < group_size; e += W) {
-        top = top2_push(
-            top, Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf));
+        const Vec x =
+            Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf);
+        // Not top2_push: x must be min's and max's second operand, the one x86 reads from memory.
+        s = Vec::max(s, Vec::min(f, x));
+        f = Vec::max(f, x);
       }
     }
-    first[i] = top.first;
-    second[i] = top.second;
+    first[i] = f;
+    second[i] = s;
   }
   Vec::reduce_groups_top2<kGroups>(first, second);
   return {group_score(Top2Of<Vec>{first[0], second[0]}, kTop2, group_size), second[0]};
