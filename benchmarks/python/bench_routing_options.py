@@ -34,9 +34,10 @@ def _inputs(preset, num_tokens):
     g = torch.Generator().manual_seed(num_tokens)
     logits = torch.randn(num_tokens, p.num_experts, generator=g).bfloat16()
     bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)) if p.has_bias else None
-    expert_map = moeext.nn.expert_parallel_map(p.num_experts, 1, 4,
-                                               num_fused_shared_experts=SHARED)
-    return p, logits, bias, expert_map
+    maps = {shared: moeext.nn.expert_parallel_map(p.num_experts, 1, 4,
+                                                  num_fused_shared_experts=shared)
+            for shared in (0, SHARED)}
+    return p, logits, bias, maps
 
 
 def _torch_post_processing(p, weights, ids, option, buffers):
@@ -51,7 +52,7 @@ def _torch_post_processing(p, weights, ids, option, buffers):
     if option in ("record", "all"):
         buffers["record"][:num_tokens].copy_(ids[:, :p.topk])
     if option in ("map", "all"):
-        ids = buffers["map"][ids.long()]
+        ids = buffers["maps"][SHARED if option == "all" else 0][ids.long()]
     return weights, ids
 
 
@@ -60,7 +61,7 @@ def _fused_kwargs(option, buffers, num_tokens):
     if option in ("shared", "all"):
         kw["num_fused_shared_experts"] = SHARED
     if option in ("map", "all"):
-        kw["expert_map"] = buffers["map"]
+        kw["expert_map"] = buffers["maps"][SHARED if option == "all" else 0]
     if option in ("counts", "all"):
         kw["expert_counts"] = buffers["counts"]
     if option in ("record", "all"):
@@ -76,9 +77,9 @@ def rows(quick=False, presets=None, tokens=None):
     min_time = 0.05 if quick else 0.3
     for name in presets:
         for num_tokens in tokens:
-            p, logits, bias, expert_map = _inputs(name, num_tokens)
+            p, logits, bias, maps = _inputs(name, num_tokens)
             kw = p.op_kwargs()
-            buffers = {"map": expert_map,
+            buffers = {"maps": maps,
                        "counts": torch.zeros(p.num_experts, dtype=torch.int64),
                        "record": torch.zeros(max(tokens), p.topk, dtype=torch.int32)}
 

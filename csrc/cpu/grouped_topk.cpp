@@ -9,7 +9,8 @@
 // Ties everywhere go to the lower index. Where candidates are compared by position (ranking),
 // they are laid out in index order so position and index agree; where they are compared as
 // keys (the insertion fallback), a key packs a value and an index into one integer, so that
-// "larger value, then lower index" is a single unsigned compare.
+// "larger value, then lower index" is a single unsigned compare. The keys, the group score,
+// the NaN policy and the weights are the GPU kernels' too, from host_device/routing.h.
 // The headers below hold step 1, steps 2 to 4, and the strategies over them; this file the
 // switches from a call's dtypes, bias and scoring function to their template instances. The
 // measurements behind the code's choices are in docs/notes/cpu-routing.md.

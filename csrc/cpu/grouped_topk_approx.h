@@ -94,7 +94,7 @@ bool select_by_approx(const LogitT* logits, const BiasT* bias, int64_t num_exper
     if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
       b = s + Vec::load(ws.candidate_bias + i, m, 0.0f);
     }
-    b = Vec::max(b, Vec::set1(kNegInf));
+    b = nan_to_neg_inf(b);
     s.store(ws.candidate_scores + i);  // whole vectors: the arrays have slack
     b.store(ws.candidates + i);
     if (i == 0) first = Vec::select(m, b, Vec::set1(kNegInf));

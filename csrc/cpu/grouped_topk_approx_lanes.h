@@ -105,7 +105,7 @@ void route_approx_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias
         s[j] = score<kScore>(Vec::load(x[j]));
         b[j] = s[j];
         if constexpr (has_bias) b[j] = s[j] + Vec::load(bias_of[j]);
-        b[j] = Vec::max(b[j], Vec::set1(kNegInf));
+        b[j] = nan_to_neg_inf(b[j]);
       } else {
         s[j] = Vec::set1(0.0f);
         b[j] = Vec::set1(kNegInf);

@@ -78,17 +78,15 @@ struct LaneSlots {
 // (as a float), for j < k <= kMaxK.
 template <int kMaxK>
 MOEEXT_ALWAYS_INLINE void write_lane_outputs(const BiasedGroupedTopkParams& p, int64_t t0,
-                                             int64_t k, Vec* w, const Vec* id,
+                                             int64_t k, const Vec* w, const Vec* id,
                                              typename Vec::Mask rows) {
   Vec sum = Vec::set1(0.0f);
   for (int64_t j = 0; j < k; ++j) sum = sum + w[j];
-  const Vec denom = sum + Vec::set1(1e-20f);
   const Vec scale = Vec::set1(p.routed_scaling_factor);
   alignas(64) float out_weights[kMaxK][W];
   alignas(64) float out_ids[kMaxK][W];
   for (int64_t j = 0; j < k; ++j) {
-    if (p.renormalize) w[j] = w[j] / denom;
-    (w[j] * scale).store(out_weights[j]);
+    finalize_weight(w[j], sum, p.renormalize, scale).store(out_weights[j]);
     id[j].store(out_ids[j]);
   }
   for (int64_t r = 0; r < W; ++r) {
@@ -189,7 +187,7 @@ MOEEXT_ALWAYS_INLINE void softmax_lanewise(float* lanes, int64_t num_experts) {
   const Vec inverse = Vec::set1(1.0f) / V::reduce_add_lanewise(sum);
   for (int64_t e = 0; e < num_experts; ++e) {
     Vec s = Vec::load(lanes + e * W) * inverse;
-    if constexpr (!kHasBias) s = Vec::max(s, Vec::set1(kNegInf));  // NaN gives -inf
+    if constexpr (!kHasBias) s = nan_to_neg_inf(s);
     s.store(lanes + e * W);
   }
 }
@@ -232,7 +230,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     for (int64_t r = 0; r < W; ++r) rows[r] = Vec::load(tile + r * W);
     V::transpose(rows);
     for (int64_t l = 0; l < W; ++l) {
-      if (!has_bias && scored) rows[l] = Vec::max(rows[l], Vec::set1(kNegInf));  // NaN: -inf
+      if (!has_bias && scored) rows[l] = nan_to_neg_inf(rows[l]);
       rows[l].store(tile + l * W);
     }
   }
@@ -245,7 +243,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
     for (int64_t e = 0; e < num_experts; ++e) {
       Vec x = Vec::load(lanes + e * W);
       if constexpr (has_bias) {
-        x = Vec::max(x + Vec::set1(bias_at(bias, e)), Vec::set1(kNegInf));
+        x = nan_to_neg_inf(x + Vec::set1(bias_at(bias, e)));
       }
       slots.offer(x, x_id);
       x_id = x_id + Vec::set1(1.0f);
@@ -295,8 +293,7 @@ void route_lane_block(const BiasedGroupedTopkParams& p, const BiasT* bias, int64
       slots.id[j].store(ids);
       alignas(64) float s[W];
       for (int64_t r = 0; r < W; ++r) s[r] = lanes[int64_t(ids[r]) * W + r];
-      w[j] = Vec::load(s);
-      w[j] = Vec::select(Vec::is_nan(w[j]), Vec::set1(0.0f), w[j]);
+      w[j] = weight_of_score(Vec::load(s));
     } else {
       w[j] = Vec::max(slots.v[j], Vec::set1(0.0f));  // b = -inf (a NaN score) weighs 0
     }

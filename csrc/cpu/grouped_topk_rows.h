@@ -7,9 +7,14 @@
 #include <cstdint>
 
 #include "cpu/grouped_topk_select.h"
+#include "host_device/routing.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
+
+// Steps 6 and 7 as the GPU kernels compute them.
+using host_device::finalize_weight;
+using host_device::weight_of_score;
 
 // score_row with the lane tracking picked per call (the same for every row, so the branch
 // predicts); track is 0, 1 or 2 as for kTrack.
@@ -43,6 +48,7 @@ MOEEXT_ALWAYS_INLINE void write_row_outputs(const BiasedGroupedTopkParams& p, in
   float sum = 0.0f;
   for (int64_t j = 0; j < p.topk; ++j) {
     const int64_t expert = ws.chosen[j];
+    // std::isnan: weight_of_score's bit test moves w through an integer register, 2% slower.
     const float w = s[expert];
     weights[j] = std::isnan(w) ? 0.0f : w;  // weights come from s, never from b - bias
     ids[j] = int32_t(expert);
@@ -50,13 +56,12 @@ MOEEXT_ALWAYS_INLINE void write_row_outputs(const BiasedGroupedTopkParams& p, in
   }
   // The sum above stays sequential (its rounding is part of the result); the divides and
   // scalings are lane-wise, so a vector does them with the scalar loop's exact results.
+  const Vec total = Vec::set1(sum);
   const Vec scale = Vec::set1(p.routed_scaling_factor);
-  const Vec denom = Vec::set1(sum + 1e-20f);
   for (int64_t j = 0; j < p.topk; j += W) {
     const auto m = Vec::tail_mask(p.topk - j);
-    Vec w = Vec::load(weights + j, m, 0.0f);
-    if (p.renormalize) w = w / denom;
-    (w * scale).store(weights + j, m);
+    finalize_weight(Vec::load(weights + j, m, 0.0f), total, p.renormalize, scale)
+        .store(weights + j, m);
   }
 }
 

@@ -12,9 +12,12 @@
 
 #include "cpu/grouped_topk_isa.h"
 #include "cpu/vec.h"
+#include "host_device/routing.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
+
+using host_device::nan_to_neg_inf;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int W = Vec::kWidth;
@@ -81,8 +84,7 @@ inline void store_biased(Vec s, const BiasT* bias, int64_t e, typename Vec::Mask
   if constexpr (!std::is_same_v<BiasT, no_bias_t>) {
     b = s + Vec::load(bias + e, m, 0.0f);
   }
-  // NaN becomes -inf in one instruction: max returns its second operand when either is NaN.
-  b = Vec::max(b, Vec::set1(kNegInf));
+  b = nan_to_neg_inf(b);
   b.store(biased + e, m);
   if constexpr (kTrack > 0) {
     track_lanes<kTrack>(top, Vec::select(m, b, Vec::set1(kNegInf)));

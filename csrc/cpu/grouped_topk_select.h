@@ -7,18 +7,17 @@
 #include <limits>
 
 #include "cpu/grouped_topk_score.h"
+#include "host_device/routing.h"
 
 namespace moeext::cpu::MOEEXT_CPU_ISA {
 namespace {
 
-// Value in the high word as an order-preserving unsigned integer (with -0 folded onto +0, so
-// they tie as the float compare says), inverted index in the low word.
-inline uint64_t make_key(float value, int64_t index) {
-  const uint32_t bits = float_to_bits(value + 0.0f);
-  const uint32_t ordered = bits ^ ((bits >> 31) ? 0xffffffffu : 0x80000000u);
-  return (uint64_t(ordered) << 32) | uint32_t(~uint32_t(index));
-}
-inline int64_t key_index(uint64_t key) { return int64_t(~uint32_t(key)); }
+// Keys and group scores as the GPU kernels form them. Every value keyed here (b, group
+// scores) is NaN-free, so the keys skip the NaN test.
+using host_device::group_score;
+using host_device::key_index;
+using host_device::make_key_nan_free;
+using host_device::Top2Of;
 
 // keys[0, count) holds the best keys seen so far, descending; capacity is k.
 inline void topk_insert(uint64_t* keys, int64_t& count, int64_t k, uint64_t key) {
@@ -148,6 +147,7 @@ inline GroupTop2 score_group_chunk(const float* b, int64_t group_size, int n) {
       for (int64_t e = 0; e < group_size; e += W) {
         const Vec x =
             Vec::load(b + i * group_size + e, Vec::tail_mask(group_size - e), kNegInf);
+        // Not top2_push: x must be min's and max's second operand, the one x86 reads from memory.
         s = Vec::max(s, Vec::min(f, x));
         f = Vec::max(f, x);
       }
@@ -156,12 +156,7 @@ inline GroupTop2 score_group_chunk(const float* b, int64_t group_size, int n) {
     second[i] = s;
   }
   Vec::reduce_groups_top2<kGroups>(first, second);
-  Vec score = first[0];
-  if (kTop2 && group_size > 1) {  // a group of one expert scores that expert's b
-    // +inf + -inf is NaN: it ranks as -inf like NaN in b (max returns -inf for a NaN sum).
-    score = Vec::max(first[0] + second[0], Vec::set1(kNegInf));
-  }
-  return {score, second[0]};
+  return {group_score(Top2Of<Vec>{first[0], second[0]}, kTop2, group_size), second[0]};
 }
 
 // With groups and k <= 2 * topk_group, the groups' top-2 give a floor without reading b again
@@ -230,11 +225,12 @@ inline int64_t keep_groups(const float* b, int64_t num_groups, int64_t group_siz
   }
   int64_t count = 0;
   for (int64_t g = 0; g < num_groups; ++g) {
-    topk_insert(ws.group_keys, count, topk_group, make_key(ws.group_scores[g], g));
+    topk_insert(ws.group_keys, count, topk_group,
+                make_key_nan_free(ws.group_scores[g], uint32_t(g)));
   }
   const uint64_t last_kept = ws.group_keys[topk_group - 1];
   for (int64_t g = 0; g < num_groups; ++g) {
-    if (make_key(ws.group_scores[g], g) < last_kept) continue;
+    if (make_key_nan_free(ws.group_scores[g], uint32_t(g)) < last_kept) continue;
     if (num_ranges > 0 && ws.ranges[num_ranges - 1].end == g * group_size) {
       ws.ranges[num_ranges - 1].end += group_size;
     } else {
@@ -420,13 +416,13 @@ inline void select_experts(const float* b, const ExpertRange* ranges, int64_t nu
       const Vec x = Vec::load(b + e, Vec::tail_mask(ranges[r].end - e), kNegInf);
       float bound = floor;
       if (held == k) {
-        const float kth = b[key_index(keys[k - 1])];
+        const float kth = b[int64_t(key_index(keys[k - 1]))];
         bound = kth > bound ? kth : bound;
       }
       auto m = Vec::tail_mask(ranges[r].end - e) & Vec::cmp_ge(x, Vec::set1(bound));
       for (uint32_t bits = m; bits != 0; bits &= bits - 1) {
         const int64_t expert = e + __builtin_ctz(bits);
-        topk_insert(keys, held, k, make_key(b[expert], expert));
+        topk_insert(keys, held, k, make_key_nan_free(b[expert], uint32_t(expert)));
       }
     }
   }

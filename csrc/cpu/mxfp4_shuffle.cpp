@@ -132,7 +132,7 @@ struct NextBlock {
 
 #if defined(__SSE2__)
 // The tiles read 32 rows side by side, a pattern the hardware prefetchers do not follow
-// (measured: half the speed on 29 MB of scales). So while the current block's tiles are
+// (docs/notes/bindings-and-shuffles.md). So while the current block's tiles are
 // permuted, the next block's two halves are prefetched in even slices, one per tile done.
 class BlockPrefetch {
  public:
@@ -157,8 +157,8 @@ class BlockPrefetch {
 
 #if MOEEXT_E8M0_AVX2
 // Outputs from this size up are written with non-temporal stores. They leave the cache anyway,
-// and a plain store first reads the line it writes: on the Zen 4 VM of 2026-11-27, 28 MiB of
-// scales took 0.6-0.7x the time this way, 14 MiB 0.7x, 7 MiB the same, 2 MiB longer.
+// and a plain store first reads the line it writes; below it, streaming measured no faster
+// (docs/notes/bindings-and-shuffles.md).
 constexpr int64_t kStreamingStoreBytes = int64_t(8) << 20;
 
 // The loop of permute_strided_tiles below on AVX2, four tiles per 32-byte load: every unpack

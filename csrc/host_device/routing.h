@@ -1,8 +1,8 @@
 // The logic of biased grouped top-k routing (SPEC.md section 1) that the CPU and GPU kernels
 // share: key packing, group scores, the weights and the NaN policy. Compiled for the host and
-// the GPU alike (no GPU runtime header), so the GPU kernels and the host unit test
-// tests/cpp/test_routing.cpp run these very functions, and the CPU kernel
-// (csrc/cpu/grouped_topk.cpp, which still spells the same arithmetic out) can call them too.
+// the GPU alike (no GPU runtime header), so the GPU kernels, the CPU kernel
+// (csrc/cpu/grouped_topk.cpp) and the host unit test tests/cpp/test_routing.cpp run these
+// very functions. Where the CPU kernel spells a piece out instead, a comment there says why.
 //
 // Conventions:
 //   * b is the biased score with NaN replaced by -inf before anything compares it.

@@ -1,7 +1,7 @@
 // Direct calls of the per-step ops from their Python wrappers (moeext._C.call_<op>), made from
 // the op's C++ signature by one template. torch.ops converts every argument through the
-// schema's generic IValue path, about 0.1 us per int argument: at decode sizes that was most of
-// a routing call's time. A direct call parses the plain Python types itself (exactly
+// schema's generic IValue path, which at decode sizes was most of a routing call's time
+// (docs/notes/bindings-and-shuffles.md). A direct call parses the plain Python types itself (exactly
 // torch.Tensor or Parameter, int, bool, float, str, torch.dtype, or None where the schema says
 // optional) and calls the op through the dispatcher, so every dispatch key (CPU, CUDA, Meta,
 // Autograd, modes) behaves as through torch.ops, and errors reach Python as torch.ops raises

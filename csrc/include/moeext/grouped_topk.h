@@ -112,9 +112,8 @@ void biased_grouped_topk_cpu(const BiasedGroupedTopkParams& params, int64_t row_
                              int64_t row_end);
 
 // The fewest rows worth a thread of their own, for callers that split the rows (the torch
-// binding, the C++ benchmark). A row costs about 1 ns per expert, and chunks of at least 4k
-// expert-rows (~4 us) pay for the second thread's wake-up: measured through torch.ops on 2
-// cores, 16k kept T = 32..64 on one thread and cost 25-30% there; 1k split T = 8 and lost 30%.
+// binding, the C++ benchmark): chunks of at least 4k expert-rows, a few microseconds, pay for
+// the second thread's wake-up (docs/notes/bindings-and-shuffles.md).
 inline int64_t biased_grouped_topk_cpu_grain(int64_t num_experts) {
   return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, num_experts));
 }
