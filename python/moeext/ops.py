@@ -411,8 +411,7 @@ def fused_router(
             return_logits,
         )
         if out is not NotImplemented:
-            weights, ids, logits = out
-            return weights, ids, logits if return_logits else None
+            return out
         _check_tensors("fused_router", hidden_states=hidden_states, weight=weight)
     weights, ids, logits = torch.ops.moeext.fused_router(
         hidden_states,

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "moeext/fused_router.h"
 #include "torch/autograd_kernels.h"
@@ -56,6 +57,27 @@ void launch(Gpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
 }
 #endif
 
+// ---- The logits the call routes ----------------------------------------------------------
+
+// Returned ones are a tensor of their own. Those kept inside a CPU call sit, at decode sizes,
+// in a buffer of the calling thread that the next call reuses: one allocation fewer a call.
+at::Tensor routed_logits(Cpu, int64_t num_tokens, int64_t num_experts, bool returned,
+                         const at::Tensor& like) {
+  constexpr int64_t kReused = 16 * 1024;  // floats: 64 KiB a thread, 16 tokens of 1024 experts
+  if (returned || num_tokens * num_experts > kReused) {
+    return Cpu::empty({num_tokens, num_experts}, at::kFloat, like);
+  }
+  thread_local std::vector<float> buffer(kReused);
+  return at::from_blob(buffer.data(), {num_tokens, num_experts}, at::kFloat);
+}
+
+#if defined(MOEEXT_GPU_BACKEND)
+at::Tensor routed_logits(Gpu, int64_t num_tokens, int64_t num_experts, bool /*returned*/,
+                         const at::Tensor& like) {
+  return Gpu::empty({num_tokens, num_experts}, at::kFloat, like);
+}
+#endif
+
 // ---- The op ------------------------------------------------------------------------------
 
 template <typename Device>
@@ -79,8 +101,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
   check_router_gemm(hidden_states, weight, std::nullopt, op);
   const int64_t num_tokens = hidden_states.size(0);
   // The logits the routing reads: router_gemm's fp32 ones, bit for bit.
-  at::Tensor logits =
-      Device::empty({num_tokens, num_experts_of(weight)}, at::kFloat, hidden_states);
+  at::Tensor logits = routed_logits(Device{}, num_tokens, num_experts_of(weight), return_logits,
+                                    hidden_states);
   const ScoringFunc scoring =
       check_routing(logits, correction_bias, num_expert_group, topk_group, topk,
                     as_std(scoring_func), op, "hidden_states");
@@ -174,10 +196,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router_autograd(
 
 // ---- Direct call -------------------------------------------------------------------------
 
+// The op's three results as the wrapper returns them: the logits None unless asked for.
+PyObject* call_fused_router(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject* out = DirectCall<Signature>::call<&handle, RouterGemmComputesMuch>(self, args, nargs);
+  constexpr Py_ssize_t kReturnLogits = 15;
+  if (out == nullptr || !PyTuple_CheckExact(out) ||
+      (nargs > kReturnLogits && args[kReturnLogits] == Py_True)) {
+    return out;
+  }
+  PyObject* empty_logits = PyTuple_GET_ITEM(out, 2);
+  Py_INCREF(Py_None);
+  PyTuple_SET_ITEM(out, 2, Py_None);  // a tuple just made, not yet seen by anyone
+  Py_DECREF(empty_logits);
+  return out;
+}
+
 const DirectCallRegistration kDirectCall{
-    "call_fused_router", &DirectCall<Signature>::call<&handle, RouterGemmComputesMuch>,
+    "call_fused_router", &call_fused_router,
     "moeext.fused_router's direct call of the op: all sixteen arguments positionally, of the "
-    "plain Python types; returns NotImplemented for anything else."};
+    "plain Python types; returns (topk_weights, topk_ids, logits or None), or NotImplemented "
+    "for anything else."};
 
 }  // namespace
 
