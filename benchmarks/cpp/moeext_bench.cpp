@@ -252,6 +252,30 @@ struct TopkData {
   std::vector<int32_t> ids;
 };
 
+// A preset's routing of `tokens` bf16 rows into outputs `columns` wide; the caller points
+// gating_output at its input set.
+moeext::BiasedGroupedTopkParams routing_params(const Preset& preset, int64_t tokens,
+                                               const float* bias, float* weights,
+                                               int32_t* ids, int64_t columns) {
+  moeext::BiasedGroupedTopkParams p;
+  p.gating_dtype = moeext::DType::kBFloat16;
+  p.gating_row_stride = preset.experts;
+  p.correction_bias = bias;
+  p.topk_weights = weights;
+  p.weights_row_stride = columns;
+  p.topk_ids = ids;
+  p.ids_row_stride = columns;
+  p.num_tokens = tokens;
+  p.num_experts = preset.experts;
+  p.num_expert_group = preset.groups;
+  p.topk_group = preset.topk_group;
+  p.topk = preset.topk;
+  p.renormalize = preset.renormalize;
+  p.routed_scaling_factor = preset.scale;
+  p.scoring_func = preset.scoring;
+  return p;
+}
+
 // The routed rows of input set 0 against scores computed here in double. The kernel's exp is
 // within an ulp of the rounded one, so its fp32 scores may differ from these by a few ulps:
 // experts, or groups, closer than kRoutingTolerance may rank either way.
@@ -364,22 +388,9 @@ void add_grouped_topk(std::vector<Case>& cases, const Options& opt) {
       data->weights.resize(size_t(t * preset.topk));
       data->ids.resize(size_t(t * preset.topk));
 
-      moeext::BiasedGroupedTopkParams p;
-      p.gating_dtype = moeext::DType::kBFloat16;
-      p.gating_row_stride = preset.experts;
-      p.correction_bias = preset.bias ? data->bias.data() : nullptr;
-      p.topk_weights = data->weights.data();
-      p.weights_row_stride = preset.topk;
-      p.topk_ids = data->ids.data();
-      p.ids_row_stride = preset.topk;
-      p.num_tokens = t;
-      p.num_experts = preset.experts;
-      p.num_expert_group = preset.groups;
-      p.topk_group = preset.topk_group;
-      p.topk = preset.topk;
-      p.renormalize = preset.renormalize;
-      p.routed_scaling_factor = preset.scale;
-      p.scoring_func = preset.scoring;
+      moeext::BiasedGroupedTopkParams p =
+          routing_params(preset, t, preset.bias ? data->bias.data() : nullptr,
+                         data->weights.data(), data->ids.data(), preset.topk);
       const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
       const double bytes = in_bytes + (preset.bias ? preset.experts * 4.0 : 0.0) +
                            double(t) * preset.topk * 8;
@@ -469,23 +480,10 @@ void add_routing_options(std::vector<Case>& cases, const Options& opt) {
         data->routed.assign(size_t(t * preset.topk), 0);
         data->valid = v == "all" ? t - t / 4 : t;
 
-        moeext::BiasedGroupedTopkParams p;
+        moeext::BiasedGroupedTopkParams p =
+            routing_params(preset, t, data->topk.bias.data(), data->topk.weights.data(),
+                           data->topk.ids.data(), columns);
         p.gating_output = data->topk.logits[0].data();
-        p.gating_dtype = moeext::DType::kBFloat16;
-        p.gating_row_stride = preset.experts;
-        p.correction_bias = data->topk.bias.data();
-        p.topk_weights = data->topk.weights.data();
-        p.weights_row_stride = columns;
-        p.topk_ids = data->topk.ids.data();
-        p.ids_row_stride = columns;
-        p.num_tokens = t;
-        p.num_experts = preset.experts;
-        p.num_expert_group = preset.groups;
-        p.topk_group = preset.topk_group;
-        p.topk = preset.topk;
-        p.renormalize = preset.renormalize;
-        p.routed_scaling_factor = preset.scale;
-        p.scoring_func = preset.scoring;
         const int64_t grain = moeext::biased_grouped_topk_cpu_grain(preset.experts);
         // The plain result, for the check.
         {

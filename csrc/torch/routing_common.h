@@ -65,6 +65,15 @@ BiasedGroupedTopkParams fill_routing_params(
 // weights and ids are the caller's (an out= form) rather than fresh.
 void check_writes_apart(const BiasedGroupedTopkParams& p, bool outputs, const char* op);
 
+// The direct calls of the routing ops release the GIL from 16k logits on: long enough
+// (several us) for another Python thread to run meanwhile.
+struct RoutesMany {
+  template <typename... Rest>
+  static bool test(const at::Tensor& gating_output, const Rest&...) {
+    return gating_output.numel() >= 16384;
+  }
+};
+
 // Routes checked params on gating_output's device (its current stream on a GPU).
 void run_routing(Cpu, const BiasedGroupedTopkParams& p, const at::Tensor& gating_output,
                  const char* op);

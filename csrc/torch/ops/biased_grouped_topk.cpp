@@ -264,14 +264,6 @@ void biased_grouped_topk_out_autograd(
 
 // ---- Direct calls ------------------------------------------------------------------------
 
-// 16k logits take long enough (several us) to let another Python thread run meanwhile.
-struct RoutesMany {
-  template <typename... Rest>
-  static bool test(const at::Tensor& gating_output, const Rest&...) {
-    return gating_output.numel() >= 16384;
-  }
-};
-
 const DirectCallRegistration kDirectCall{
     "call_biased_grouped_topk", &DirectCall<Signature>::call<&handle, RoutesMany>,
     "moeext.biased_grouped_topk's direct call of the op: all fourteen arguments "

@@ -185,15 +185,8 @@ at::Tensor routing_weights_autograd(c10::DispatchKeySet keys, const at::Tensor& 
 
 // ---- Direct call -------------------------------------------------------------------------
 
-struct WeighsMany {
-  template <typename... Rest>
-  static bool test(const at::Tensor& gating_output, const Rest&...) {
-    return gating_output.numel() >= 16384;
-  }
-};
-
 const DirectCallRegistration kDirectCall{
-    "call_routing_weights", &DirectCall<Signature>::call<&handle, WeighsMany>,
+    "call_routing_weights", &DirectCall<Signature>::call<&handle, RoutesMany>,
     "moeext.routing_weights's direct call of the op: all five arguments positionally, of the "
     "plain Python types; returns NotImplemented for anything else."};
 
