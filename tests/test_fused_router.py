@@ -140,6 +140,32 @@ def test_no_tokens_and_the_empty_logits(device):
     assert not_asked.shape == (0, 256) and not_asked.dtype == torch.float32
 
 
+def test_the_empty_logits_of_one_call_are_not_changed_by_the_next(device):
+    # A CPU thread returns the [0, E] tensor it made last while nothing else holds it: one the
+    # caller keeps, or changed and dropped, is never returned again; inference mode gets its own.
+    def not_asked():
+        return torch.ops.moeext.fused_router(hidden, weight, bias, 8, 4, 8)[2]
+
+    hidden, weight, bias = make_inputs(2, 64, "deepseek-v3", device=device)
+    kept = not_asked()
+    again = not_asked()
+    assert again is not kept and kept.shape == again.shape == (0, 256)
+    kept.resize_(3, 5)
+    assert not_asked().shape == (0, 256)
+    del kept, again
+    assert not_asked().shape == (0, 256)
+    changed = not_asked()
+    changed.requires_grad_()
+    del changed
+    assert not not_asked().requires_grad
+    with torch.inference_mode():
+        inner = not_asked()
+        assert inner.is_inference() and inner.shape == (0, 256)
+    del inner
+    outer = not_asked()
+    assert not outer.is_inference() and outer.shape == (0, 256) and outer.dtype == torch.float32
+
+
 def test_prepacked_weight():
     p = PRESETS["deepseek-v3"]
     for num_tokens in (1, 3, 12):

@@ -108,10 +108,15 @@ struct DirectCall<Result(Args...)> {
   using Handle = c10::TypedOperatorHandle<Result(Args...)>;
   using Parsed = std::tuple<std::decay_t<Args>...>;
 
+  // What an op returns, as its Python wrapper returns it, from the result and the arguments
+  // (an op that returns nothing returns None).
+  using Returned = std::conditional_t<std::is_void_v<Result>, std::nullptr_t, Result>;
+  using ToPython = PyObject* (*)(const Returned&, PyObject* const*, Py_ssize_t);
+
   // A METH_FASTCALL function: the arguments positionally, trailing ones with a default in the
   // schema optional. Long::test(parsed arguments...) says whether the call is long enough to
-  // release the GIL for.
-  template <const Handle& (*kHandle)(), typename Long>
+  // release the GIL for; kToPython, where given, makes the Python result (else to_python).
+  template <const Handle& (*kHandle)(), typename Long, ToPython kToPython = nullptr>
   static PyObject* call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
     try {
@@ -135,7 +140,11 @@ struct DirectCall<Result(Args...)> {
           ReleaseGilIf no_gil(std::apply(is_long, parsed));
           out = std::apply(run, parsed);
         }
-        return to_python(out);
+        if constexpr (kToPython != nullptr) {
+          return kToPython(out, args, nargs);
+        } else {
+          return to_python(out);
+        }
       }
     } catch (const std::bad_alloc& e) {
       throw_memory_error(e);

@@ -3,6 +3,7 @@
 // direct call of the Python wrapper; the checks are the two ops' own (router_gemm_common.h,
 // routing_common.h).
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -60,21 +61,43 @@ void launch(Gpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
 // ---- The logits the call routes ----------------------------------------------------------
 
 // Returned ones are a tensor of their own. Those kept inside a CPU call sit, at decode sizes,
-// in a buffer of the calling thread that the next call reuses: one allocation fewer a call.
+// in a tensor of the calling thread that each call reshapes: no allocation and no tensor made
+// a call. It never leaves the call.
 at::Tensor routed_logits(Cpu, int64_t num_tokens, int64_t num_experts, bool returned,
                          const at::Tensor& like) {
   constexpr int64_t kReused = 16 * 1024;  // floats: 64 KiB a thread, 16 tokens of 1024 experts
   if (returned || num_tokens * num_experts > kReused) {
     return Cpu::empty({num_tokens, num_experts}, at::kFloat, like);
   }
-  thread_local std::vector<float> buffer(kReused);
-  return at::from_blob(buffer.data(), {num_tokens, num_experts}, at::kFloat);
+  thread_local const at::Tensor buffer = Cpu::empty({kReused}, at::kFloat, like);
+  buffer.unsafeGetTensorImpl()->set_sizes_contiguous({num_tokens, num_experts});
+  return buffer;
 }
 
 #if defined(MOEEXT_GPU_BACKEND)
 at::Tensor routed_logits(Gpu, int64_t num_tokens, int64_t num_experts, bool /*returned*/,
                          const at::Tensor& like) {
   return Gpu::empty({num_tokens, num_experts}, at::kFloat, like);
+}
+#endif
+
+// The op's third result without return_logits: an empty [0, E] tensor. A CPU thread keeps the
+// last one it made and returns it again while nothing else holds it and it is as made (the
+// direct call drops it at once); one held or changed is left to its holder.
+at::Tensor unreturned_logits(Cpu, int64_t num_experts, const at::Tensor& like) {
+  thread_local at::Tensor kept;
+  const bool inference = c10::InferenceMode::is_enabled();
+  const bool reusable = kept.defined() && kept.use_count() == 1 && kept.dim() == 2 &&
+                        kept.size(0) == 0 && kept.size(1) == num_experts &&
+                        kept.is_contiguous() && !kept.requires_grad() &&
+                        kept.is_inference() == inference;
+  if (!reusable) kept = Cpu::empty({0, num_experts}, at::kFloat, like);
+  return kept;
+}
+
+#if defined(MOEEXT_GPU_BACKEND)
+at::Tensor unreturned_logits(Gpu, int64_t num_experts, const at::Tensor& like) {
+  return Gpu::empty({0, num_experts}, at::kFloat, like);
 }
 #endif
 
@@ -125,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
     check_writes_apart(p.routing, /*outputs=*/false, op);
   }
   launch(Device{}, p, hidden, gate, logits, op);
-  if (!return_logits) logits = Device::empty({0, logits.size(1)}, at::kFloat, hidden_states);
+  if (!return_logits) logits = unreturned_logits(Device{}, logits.size(1), hidden_states);
   return {topk_weights, topk_ids, logits};
 }
 
@@ -197,18 +220,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router_autograd(
 // ---- Direct call -------------------------------------------------------------------------
 
 // The op's three results as the wrapper returns them: the logits None unless asked for.
-PyObject* call_fused_router(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  PyObject* out = DirectCall<Signature>::call<&handle, RouterGemmComputesMuch>(self, args, nargs);
+PyObject* fused_router_to_python(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& out,
+                                 PyObject* const* args, Py_ssize_t nargs) {
   constexpr Py_ssize_t kReturnLogits = 15;
-  if (out == nullptr || !PyTuple_CheckExact(out) ||
-      (nargs > kReturnLogits && args[kReturnLogits] == Py_True)) {
-    return out;
+  if (nargs > kReturnLogits && args[kReturnLogits] == Py_True) return to_python(out);
+  PyObject* result = PyTuple_New(3);
+  if (result == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    PyObject* tensor = to_python(i == 0 ? std::get<0>(out) : std::get<1>(out));
+    if (tensor == nullptr) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, i, tensor);
   }
-  PyObject* empty_logits = PyTuple_GET_ITEM(out, 2);
   Py_INCREF(Py_None);
-  PyTuple_SET_ITEM(out, 2, Py_None);  // a tuple just made, not yet seen by anyone
-  Py_DECREF(empty_logits);
-  return out;
+  PyTuple_SET_ITEM(result, 2, Py_None);
+  return result;
+}
+
+PyObject* call_fused_router(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return DirectCall<Signature>::call<&handle, RouterGemmComputesMuch, &fused_router_to_python>(
+      self, args, nargs);
 }
 
 const DirectCallRegistration kDirectCall{
