@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import moeext
+from child_process import run_in_child_process
 from moeext.presets import PRESETS
 
 
@@ -247,22 +248,28 @@ def test_export_with_a_dynamic_batch(device):
     _check_routing_steps(module, step.router, dict(module.named_buffers())["ids"], device)
 
 
-def test_aot_inductor_package_with_a_dynamic_batch(device, tmp_path):
-    # The deployment path after torch.export: AOTInductor compiles the program into a package
-    # whose generated code reaches the moeext ops through the dispatcher. Its buffers are
-    # handed in as the caller's own tensors, so the tail zeroing is seen where a server's
-    # persistent buffer would be.
+def _aot_inductor_package_check(device, package_path):
     step = _RoutingStep(device)
     step.ids.fill_(7)
     step.extent.fill_(32)
     with torch.no_grad():
         package = torch._inductor.aoti_compile_and_package(
-            _export_routing_step(step, device), package_path=str(tmp_path / "step.pt2"))
+            _export_routing_step(step, device), package_path=package_path)
     runner = torch._inductor.aoti_load_package(package)
     runner.load_constants(dict(step.state_dict(keep_vars=True)), check_full_update=True,
                           user_managed=True)
     _check_routing_steps(runner, step.router, step.ids, device)
     assert int(step.extent) == 3
+
+
+def test_aot_inductor_package_with_a_dynamic_batch(device, tmp_path):
+    # The deployment path after torch.export: AOTInductor compiles the program into a package
+    # whose generated code reaches the moeext ops through the dispatcher. Its buffers are
+    # handed in as the caller's own tensors, so the tail zeroing is seen where a server's
+    # persistent buffer would be. In a child process: loading the package on an H200
+    # (torch 2.11.0+cu130) died with SIGSEGV and took the whole run down with it.
+    run_in_child_process("the AOTInductor package", _aot_inductor_package_check, device,
+                         str(tmp_path / "step.pt2"))
 
 
 def test_compile_zero_tail_gradient(device):
