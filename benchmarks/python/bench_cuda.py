@@ -22,8 +22,21 @@ Baselines, measured in the same run on the same inputs:
   shuffles             AITER's view/permute/contiguous formulations (baselines.py, one
                        copy each), and a clone() of the same bytes (the bandwidth bound)
 
+The engines' own fused kernels, where their packages import (engine_kernels.py; the header
+names each package that does not, and it gives no rows):
+  biased_grouped_topk  vllm._custom_ops.grouped_topk, flashinfer's fused_topk_deepseek
+                       (NoAuxTc) with and without PDL, sgl_kernel.moe_fused_gate
+  router_gemm fp32     vllm._custom_ops.dsv3_router_gemm (1 to 16 tokens)
+  fused_router         vLLM's router GEMM then FlashInfer's routing (else vLLM's), back to
+                       back in one timed call
+Each is called once on the case's first input set and checked against moeext (expert sets
+per row, weights within a tolerance; logits within a tolerance) before it is timed: a
+disagreement is printed and its row is marked MISMATCH. A kernel that does not take a case
+is skipped, its reason printed once. FlashInfer may JIT-compile its kernel on first use.
+--no-engines leaves them out.
+
     python benchmarks/python/bench_cuda.py [--quick] [--only grouped_topk,...] [--markdown]
-                                           [--tokens 9,12,15]
+                                           [--tokens 9,12,15] [--no-engines]
 """
 
 import argparse
@@ -39,6 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from baselines import aiter_e8m0_shuffle, aiter_shuffle_weight  # noqa: E402
 from baselines import check_shuffle_baselines, torch_native_grouped_topk  # noqa: E402
+from engine_kernels import Engines, logits_mismatch, routing_mismatch  # noqa: E402
 import moeext  # noqa: E402
 import moeext.reference  # noqa: E402
 from moeext.presets import PRESETS  # noqa: E402
@@ -126,7 +140,37 @@ def both(make_calls, calls_per_graph=CALLS_PER_GRAPH, batch=50):
             eager_us(make_calls, batch=batch))
 
 
-def grouped_topk(table, quick, tokens=None):
+_skips_printed = set()
+
+
+def engine_rows(table, op, case, ours, kernels, inputs, reference, mismatch):
+    """Rows for the engines' kernels (engine_kernels.Kernel) on this case's input sets
+    (tuples of arguments). Each is checked once against moeext's ``reference`` result on the
+    first set before it is timed."""
+    for kernel in kernels:
+        if kernel.fn is None:
+            if (kernel.label, kernel.skip) not in _skips_printed:
+                _skips_printed.add((kernel.label, kernel.skip))
+                print(f"# {kernel.label}: skipped, {kernel.skip}", flush=True)
+            continue
+
+        def calls(fn=kernel.fn):
+            return [lambda args=args: fn(*args) for args in inputs]
+        label = kernel.label
+        try:
+            differs = mismatch(reference, calls()[0]())
+            if differs:
+                print(f"# {label} on {case}: MISMATCH with moeext, {differs}", flush=True)
+                label += " MISMATCH"
+            times = both(calls)
+        except Exception as exc:  # noqa: BLE001 -- one engine's failure must not end the run
+            print(f"# {kernel.label} on {case}: not timed, {type(exc).__name__}: {exc}",
+                  flush=True)
+            continue
+        table.add(op, case, ours, label, times)
+
+
+def grouped_topk(table, quick, tokens=None, engines=None):
     presets = ["deepseek-v3", "kimi-k2"] if quick else list(PRESETS)
     tokens = tokens or ([1, 64] if quick else [1, 16, 64, 1024, 4096, 16384])
     for name in presets:
@@ -148,9 +192,13 @@ def grouped_topk(table, quick, tokens=None):
             case = f"{name} T={num_tokens}"
             table.add("biased_grouped_topk", case, ours, "torch-native grouped_topk",
                       both(calls(torch_native_grouped_topk)))
+            if engines is not None:
+                engine_rows(table, "biased_grouped_topk", case, ours,
+                            engines.routing(p, bias, logits[0].dtype), [(x,) for x in logits],
+                            moeext.biased_grouped_topk(logits[0], bias, *rest), routing_mismatch)
 
 
-def router_gemm(table, quick, tokens=None):
+def router_gemm(table, quick, tokens=None, engines=None):
     """Each input set has its own weight too: in a model, the layers between two router GEMMs
     evict the gate from L2, so a call reads it from memory."""
     hidden = 7168
@@ -185,12 +233,17 @@ def router_gemm(table, quick, tokens=None):
                 table.add("router_gemm fp32", case, ours, "torch.mm out_dtype=fp32",
                           both(calls(lambda x, w, w32: torch.mm(x, w.t(),
                                                                 out_dtype=torch.float32))))
+            if engines is not None:
+                engine_rows(table, "router_gemm fp32", case, ours,
+                            engines.router_gemm(num_experts, hidden, num_tokens),
+                            [(x, w) for x, w, _ in xws], moeext.router_gemm(*xws[0][:2]),
+                            logits_mismatch)
             table.add("router_gemm bf16", case,
                       both(calls(lambda x, w, w32: moeext.router_gemm(x, w, torch.bfloat16))),
                       "F.linear bf16 (bf16 out)", linear_bf16)
 
 
-def fused_router(table, quick, tokens=None):
+def fused_router(table, quick, tokens=None, engines=None):
     """fused_router against the two calls it fuses (router_gemm then biased_grouped_topk) and
     router_gemm alone, at the gates of DeepSeek-V3 and Kimi-K2; each input set has its own
     weight (see router_gemm)."""
@@ -224,6 +277,10 @@ def fused_router(table, quick, tokens=None):
                           moeext.router_gemm(x, w), bias, *rest))))
             table.add("fused_router", case, ours, "router_gemm alone",
                       both(calls(lambda x, w: moeext.router_gemm(x, w))))
+            if engines is not None:
+                engine_rows(table, "fused_router", case, ours,
+                            engines.fused_pair(p, bias, hidden, num_tokens), xws,
+                            moeext.fused_router(*xws[0], bias, *rest)[:2], routing_mismatch)
 
 
 def zero_tail(table, quick):
@@ -278,6 +335,8 @@ def main(argv=None):
     parser.add_argument("--tokens", default=None, type=lambda s: [int(t) for t in s.split(",")],
                         help="comma-separated token counts for grouped_topk and router_gemm, "
                              "in place of their defaults (e.g. 9,12,15)")
+    parser.add_argument("--no-engines", action="store_true",
+                        help="leave out the engines' kernels (vllm, flashinfer, sgl_kernel)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or "cuda" not in moeext.build_info()["backends"]:
         raise SystemExit("bench_cuda.py needs a CUDA GPU and a moeext built with CUDA")
@@ -286,10 +345,18 @@ def main(argv=None):
     print(f"# moeext on {props.name} ({props.multi_processor_count} SMs), torch "
           f"{torch.__version__}, CUDA {torch.version.cuda}; graph / eager us per call")
     only = set(args.only.split(",")) if args.only else None
+    engines = None
+    if not args.no_engines and (only is None
+                                or only & {"grouped_topk", "router_gemm", "fused_router"}):
+        engines = Engines()
+        for line in engines.header_lines():
+            print(line, flush=True)
+        if not engines.modules:
+            engines = None
     table = Table()
-    suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens),
-              "router_gemm": lambda: router_gemm(table, args.quick, args.tokens),
-              "fused_router": lambda: fused_router(table, args.quick, args.tokens),
+    suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens, engines),
+              "router_gemm": lambda: router_gemm(table, args.quick, args.tokens, engines),
+              "fused_router": lambda: fused_router(table, args.quick, args.tokens, engines),
               "zero_tail": lambda: zero_tail(table, args.quick),
               "shuffles": lambda: shuffles(table, args.quick)}
     for name, run in suites.items():
