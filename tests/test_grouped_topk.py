@@ -59,6 +59,9 @@ TOPOLOGIES = [
     (200, 20, 7, 33),  # topk beyond 2 vector widths: the general path
     (256, 8, 1, 32),  # topk == the kept group's size
     (1000, 8, 4, 17),
+    (640, 8, 4, 8),  # the GPU warp kernel at 20 experts a lane, groups in registers
+    (768, 8, 4, 8),  # 24 a lane
+    (896, 1, 1, 16),  # Kimi-K3-style: 28 a lane
     (1024, 16, 4, 32),
     (1024, 1, 1, 32),
     (1024, 32, 8, 64),

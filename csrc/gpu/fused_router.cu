@@ -32,6 +32,15 @@ using gpu::grouped_topk::KernelArgs;
 using gpu::grouped_topk::NoBias;
 using gpu::router_gemm::kThreads;
 
+// The one launch routes with the warp kernel's instances up to 512 experts; wider gates run
+// the two kernels. (The warp kernel goes to 1024: its wider instances here would add as many
+// kernels again to this file's build, for gates not yet timed on a GPU.)
+constexpr int64_t kMaxExperts = 512;
+MOEEXT_HOST_DEVICE constexpr bool routes_in_one_launch(int warp_size, int experts_per_lane) {
+  return gpu::grouped_topk::fast_instance_exists(warp_size, experts_per_lane) &&
+         int64_t(warp_size) * experts_per_lane <= kMaxExperts;
+}
+
 struct FusedArgs {
   RouterGemmParams gemm;
   KernelArgs routing;
@@ -62,8 +71,7 @@ __device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks
 template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     fused_router_kernel(const FusedArgs args) {
-  if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE &&
-                gpu::grouped_topk::fast_instance_exists(kWarpSize, V)) {
+  if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE && routes_in_one_launch(kWarpSize, V)) {
     gpu::router_gemm::compute_logits_block<kTokens, kWarpSize, gpu::bf16, float>(
         args.gemm, int(gpu::grouped_topk::block_index()));
     if (!finished_last(args.counter, args.blocks)) return;
@@ -159,7 +167,7 @@ bool fused_router_gpu_supported(const FusedRouterParams& params) {
   if (biased_grouped_topk_gpu_limit(r) != nullptr) return false;
   const int warp_size = gpu::warp_size_of_current_device();
   const int experts_per_lane = plan_of(r, warp_size).experts_per_lane;
-  if (experts_per_lane == 0 || !gpu::grouped_topk::fast_instance_exists(warp_size, experts_per_lane)) {
+  if (experts_per_lane == 0 || !routes_in_one_launch(warp_size, experts_per_lane)) {
     return false;
   }
   return router_gemm_gpu_supported(g);

@@ -3,7 +3,7 @@
 // (csrc/cpu/grouped_topk.cpp), through the shared functions of host_device/routing.h.
 //
 // Two kernels, picked per topology by plan_fast_path() (grouped_topk_plan.h):
-//   * warp kernel (grouped_topk_warp.h; E <= 512, topk <= 32, num_expert_group <= 32): one
+//   * warp kernel (grouped_topk_warp.h; E <= 1024, topk <= 32, num_expert_group <= 32): one
 //     token per warp, each lane holding kExpertsPerLane contiguous experts in registers.
 //     Decode batches are a handful of tokens, so the latency of one token is what counts:
 //     each of the topk argmax rounds is a few dozen instructions on 32-bit values with two
@@ -44,35 +44,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 Kernel warp_kernel(int experts_per_lane) {
-  switch (experts_per_lane) {
-    case 4: {
-      if constexpr (fast_instance_exists(kWarpSize, 4)) {
-        return grouped_topk_warp_kernel<kWarpSize, 4, LogitT, BiasT, kOptions>;
-      }
-      break;
-    }
-    case 8: {
-      if constexpr (fast_instance_exists(kWarpSize, 8)) {
-        return grouped_topk_warp_kernel<kWarpSize, 8, LogitT, BiasT, kOptions>;
-      }
-      break;
-    }
-    case 12: {
-      if constexpr (fast_instance_exists(kWarpSize, 12)) {
-        return grouped_topk_warp_kernel<kWarpSize, 12, LogitT, BiasT, kOptions>;
-      }
-      break;
-    }
-    case 16: {
-      if constexpr (fast_instance_exists(kWarpSize, 16)) {
-        return grouped_topk_warp_kernel<kWarpSize, 16, LogitT, BiasT, kOptions>;
-      }
-      break;
-    }
-    default:
-      break;
-  }
-  return nullptr;
+  return pick_experts_per_lane<kWarpSize, Kernel>(experts_per_lane, nullptr, [](auto v) {
+    return Kernel(grouped_topk_warp_kernel<kWarpSize, decltype(v)::value, LogitT, BiasT,
+                                           kOptions>);
+  });
 }
 
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>

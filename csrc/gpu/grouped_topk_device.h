@@ -50,6 +50,12 @@ constexpr int kMaxThreadsPerBlock = 256;
 // held the 12-experts-per-lane kernel to 80 registers and spilled; 2 blocks allow 128, which
 // every instance fits without spilling while prefill batches keep 16 warps per SM.
 constexpr int kMinBlocksPerMultiprocessor = 2;
+// The warp kernel's lanes hold three arrays of kExpertsPerLane values; past 24 experts a
+// lane, 128 registers spilled on sm_90a, so those instances ask for one block per
+// multiprocessor (up to 255 registers).
+MOEEXT_HOST_DEVICE constexpr int warp_kernel_min_blocks(int experts_per_lane) {
+  return experts_per_lane <= 24 ? kMinBlocksPerMultiprocessor : 1;
+}
 static_assert(kGeneralThreads <= kMaxThreadsPerBlock, "launch bounds of the block kernel");
 
 // HIP's threadIdx and blockIdx are calls into the device library, which the device-only

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "moeext/common.h"
 
@@ -31,8 +32,8 @@ MOEEXT_HOST_DEVICE inline int64_t pow2_floor(int64_t x) {
 //
 // Fast path: one token per warp. Lane l owns the contiguous experts
 // [l * experts_per_lane, (l + 1) * experts_per_lane), held in registers. experts_per_lane is a
-// template argument of the kernel, one of 4, 8, 12, 16; the warp covers
-// warp_size * experts_per_lane <= kFastMaxExperts experts.
+// template argument of the kernel, a multiple of 4 up to 32 (up to 16 on 64-wide warps); the
+// warp covers warp_size * experts_per_lane <= kFastMaxExperts experts.
 //
 // Group scores (needed only when topk_group < num_expert_group) sit in lanes_per_group
 // consecutive lanes per group, group g's in lanes [g * lanes_per_group, ...), and are
@@ -45,17 +46,39 @@ MOEEXT_HOST_DEVICE inline int64_t pow2_floor(int64_t x) {
 // memory, block-wide argmax. Covers every topology up to kMaxExperts experts.
 // ---------------------------------------------------------------------------------------
 
-constexpr int64_t kFastMaxExperts = 512;
+constexpr int64_t kFastMaxExperts = 1024;
 constexpr int64_t kFastMaxTopk = 32;
 constexpr int64_t kFastMaxGroups = 32;
 // The experts_per_lane instances: multiples of 4, so that a lane's fp32 chunk is whole
 // 16-byte loads (and a 16-bit chunk whole 8-byte ones).
 constexpr int kFastExpertsPerLaneStep = 4;
-constexpr int kFastMaxExpertsPerLane = 16;
+constexpr int kFastMaxExpertsPerLane = 32;
+// Lanes wider than a topology needs are taken for the group scores' sake only while the warp
+// spans at most this many experts: the widths the plan chose from before the wider instances
+// came (wider ones over narrower lanes are not yet timed).
+constexpr int64_t kWidenedMaxExperts = 512;
 
 // Whether the fast kernel for this warp width and experts_per_lane is instantiated.
 MOEEXT_HOST_DEVICE constexpr bool fast_instance_exists(int warp_size, int experts_per_lane) {
-  return int64_t(warp_size) * experts_per_lane <= kFastMaxExperts;
+  return experts_per_lane >= kFastExpertsPerLaneStep &&
+         experts_per_lane <= kFastMaxExpertsPerLane &&
+         experts_per_lane % kFastExpertsPerLaneStep == 0 &&
+         int64_t(warp_size) * experts_per_lane <= kFastMaxExperts;
+}
+
+// What `pick(std::integral_constant<int, V>{})` returns for the instance V == experts_per_lane
+// (host code: a kernel to launch), or `none` where no instance of this width has it.
+template <int kWarpSize, typename R, typename Pick, int V = kFastExpertsPerLaneStep>
+R pick_experts_per_lane(int experts_per_lane, R none, const Pick& pick) {
+  if constexpr (!fast_instance_exists(kWarpSize, V)) {
+    (void)experts_per_lane;
+    (void)pick;
+    return none;
+  } else {
+    if (experts_per_lane == V) return pick(std::integral_constant<int, V>{});
+    return pick_experts_per_lane<kWarpSize, R, Pick, V + kFastExpertsPerLaneStep>(
+        experts_per_lane, none, pick);
+  }
 }
 
 struct FastPathPlan {
@@ -81,8 +104,9 @@ MOEEXT_HOST_DEVICE inline FastPathPlan plan_fast_path(int warp_size, int64_t num
     if (!fast_instance_exists(warp_size, v) || int64_t(warp_size) * v < num_experts) continue;
     if (smallest == 0) smallest = v;
     // The smallest width whose lanes each hold one group's experts, a power-of-two number
-    // of lanes per group, keeps the group scores in registers.
-    if (!select_groups) break;
+    // of lanes per group, keeps the group scores in registers; wider than the smallest only
+    // within kWidenedMaxExperts, as wider lanes lengthen every argmax round.
+    if (!select_groups || (v > smallest && int64_t(warp_size) * v > kWidenedMaxExperts)) break;
     if (group_size % v == 0 && is_pow2(group_size / v)) {
       plan.experts_per_lane = v;
       plan.lanes_per_group = int(group_size / v);

@@ -6,7 +6,7 @@
 // row that fails gets NaN weights. The scores are the routing kernels' own: sigmoid and
 // sqrt-softplus are elementwise (the same function of the same logit, so the same bits);
 // softmax needs the row's maximum and sum, reduced in the lane layout of the warp kernel
-// that routes such a row where it routes one (E <= 512), else as the block kernel does, so
+// that routes such a row where it routes one (E <= 1024), else as the block kernel does, so
 // that a replay of routing's ids gives routing's weights bit for bit (up to a topology whose
 // groups made the warp kernel pick wider lanes: there, within the rounding of the sum).
 #include <type_traits>
@@ -41,6 +41,22 @@ __device__ __forceinline__ void softmax_by_warp(const RoutingWeightsParams& p,
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     if (first + i < num_experts) s[first + i] = x[i];
+  }
+}
+
+// softmax_by_warp in the instance the warp kernel routes such a row with (V ==
+// experts_per_lane, from plan_fast_path).
+template <int kWarpSize, typename LogitT, int V = kFastExpertsPerLaneStep>
+__device__ __forceinline__ void softmax_by_warp_of(int experts_per_lane,
+                                                   const RoutingWeightsParams& p,
+                                                   const LogitT* row, float* s) {
+  if constexpr (fast_instance_exists(kWarpSize, V)) {
+    if (experts_per_lane == V) {
+      softmax_by_warp<kWarpSize, V>(p, row, s);
+    } else {
+      softmax_by_warp_of<kWarpSize, LogitT, V + kFastExpertsPerLaneStep>(experts_per_lane, p,
+                                                                          row, s);
+    }
   }
 }
 
@@ -79,28 +95,7 @@ __device__ __forceinline__ void weigh_rows(const RoutingWeightsParams& p, int64_
     float row_max = 0.0f, row_sum = 1.0f;
     if (warp_softmax) {
       if (tid < kWarpSize) {
-        switch (experts_per_lane) {
-          case 4:
-            if constexpr (fast_instance_exists(kWarpSize, 4)) {
-              softmax_by_warp<kWarpSize, 4>(p, row, warp_scores);
-            }
-            break;
-          case 8:
-            if constexpr (fast_instance_exists(kWarpSize, 8)) {
-              softmax_by_warp<kWarpSize, 8>(p, row, warp_scores);
-            }
-            break;
-          case 12:
-            if constexpr (fast_instance_exists(kWarpSize, 12)) {
-              softmax_by_warp<kWarpSize, 12>(p, row, warp_scores);
-            }
-            break;
-          default:
-            if constexpr (fast_instance_exists(kWarpSize, 16)) {
-              softmax_by_warp<kWarpSize, 16>(p, row, warp_scores);
-            }
-            break;
-        }
+        softmax_by_warp_of<kWarpSize, LogitT>(experts_per_lane, p, row, warp_scores);
       }
     } else if (softmax) {
       float local_max = neg_inf();

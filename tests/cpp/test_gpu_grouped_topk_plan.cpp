@@ -41,14 +41,33 @@ void test_plan() {
   CHECK(plan.experts_per_lane == 8 && !plan.group_scores_in_registers && plan.lanes_per_group == 4,
         "deepseek-v2 / 32: %d %d %d", plan.experts_per_lane, plan.lanes_per_group,
         int(plan.group_scores_in_registers));
-  CHECK(gt::plan_fast_path(32, 513, 1, 1, 8).experts_per_lane == 0, "E = 513 is not fast");
+  // Kimi-K3-style 896 experts, top-16: 28 a lane; 1024 fills a 32-wide warp's 32 a lane.
+  CHECK(gt::plan_fast_path(32, 896, 1, 1, 16).experts_per_lane == 28, "896 / 32");
+  CHECK(gt::plan_fast_path(64, 896, 1, 1, 16).experts_per_lane == 16, "896 / 64");
+  plan = gt::plan_fast_path(32, 1024, 8, 4, 8);  // groups of 128: 4 lanes of 32
+  CHECK(plan.experts_per_lane == 32 && plan.lanes_per_group == 4 && plan.group_scores_in_registers,
+        "1024 in 8 groups / 32: %d %d %d", plan.experts_per_lane, plan.lanes_per_group,
+        int(plan.group_scores_in_registers));
+  CHECK(gt::plan_fast_path(32, 1025, 1, 1, 8).experts_per_lane == 0, "E = 1025 is not fast");
+  CHECK(!gt::fast_instance_exists(32, 36) && !gt::fast_instance_exists(64, 20) &&
+            !gt::fast_instance_exists(32, 6) && gt::fast_instance_exists(32, 32) &&
+            gt::fast_instance_exists(64, 16),
+        "fast_instance_exists");
+  // pick_experts_per_lane finds exactly the instances that exist.
+  for (int v = 0; v <= 40; ++v) {
+    const int got32 = gt::pick_experts_per_lane<32, int>(v, 0, [](auto i) { return int(i); });
+    const int got64 = gt::pick_experts_per_lane<64, int>(v, 0, [](auto i) { return int(i); });
+    CHECK(got32 == (gt::fast_instance_exists(32, v) ? v : 0) &&
+              got64 == (gt::fast_instance_exists(64, v) ? v : 0),
+          "pick_experts_per_lane(%d): %d %d", v, got32, got64);
+  }
   CHECK(gt::plan_fast_path(32, 256, 8, 4, 33).experts_per_lane == 0, "topk 33 is not fast");
   CHECK(gt::plan_fast_path(32, 512, 64, 4, 8).experts_per_lane == 0, "64 groups are not fast");
   CHECK(gt::plan_fast_path(48, 256, 8, 4, 8).experts_per_lane == 0, "warp of 48");
 
   // Every valid topology: the plan's invariants, which the warp kernel's indexing relies on.
   for (int warp_size : {32, 64}) {
-    for (int64_t num_experts = 1; num_experts <= 600; ++num_experts) {
+    for (int64_t num_experts = 1; num_experts <= 1100; ++num_experts) {
       for (int64_t num_groups = 1; num_groups <= std::min<int64_t>(num_experts, 40); ++num_groups) {
         if (num_experts % num_groups != 0) continue;
         const int64_t group_size = num_experts / num_groups;
@@ -57,13 +76,13 @@ void test_plan() {
             if (topk > topk_group * group_size) continue;
             const gt::FastPathPlan pl =
                 gt::plan_fast_path(warp_size, num_experts, num_groups, topk_group, topk);
-            const bool fast = num_experts <= 512 && topk <= 32 && num_groups <= 32;
+            const bool fast = num_experts <= 1024 && topk <= 32 && num_groups <= 32;
             CHECK((pl.experts_per_lane != 0) == fast, "eligibility of %lld/%lld/%lld/%lld",
                   (long long)num_experts, (long long)num_groups, (long long)topk_group,
                   (long long)topk);
             if (!fast) continue;
             const int v = pl.experts_per_lane;
-            CHECK(v % 4 == 0 && v >= 4 && v <= 16 && gt::fast_instance_exists(warp_size, v) &&
+            CHECK(v % 4 == 0 && v >= 4 && v <= 32 && gt::fast_instance_exists(warp_size, v) &&
                       int64_t(warp_size) * v >= num_experts,
                   "experts_per_lane %d for %lld experts on %d lanes", v, (long long)num_experts,
                   warp_size);
