@@ -50,11 +50,11 @@ constexpr int kMaxThreadsPerBlock = 256;
 // held the 12-experts-per-lane kernel to 80 registers and spilled; 2 blocks allow 128, which
 // every instance fits without spilling while prefill batches keep 16 warps per SM.
 constexpr int kMinBlocksPerMultiprocessor = 2;
-// The warp kernel's lanes hold three arrays of kExpertsPerLane values; past 24 experts a
-// lane, 128 registers spilled on sm_90a, so those instances ask for one block per
-// multiprocessor (up to 255 registers).
-MOEEXT_HOST_DEVICE constexpr int warp_kernel_min_blocks(int experts_per_lane) {
-  return experts_per_lane <= 24 ? kMinBlocksPerMultiprocessor : 1;
+// The warp kernel's lanes hold three arrays of kExpertsPerLane values; the widest instances
+// spilled within two blocks' registers (past 24 a lane on sm_90a's 32-wide warps, past 12 on
+// gfx90a/gfx942's 64-wide ones), so they ask for one block per multiprocessor.
+MOEEXT_HOST_DEVICE constexpr int warp_kernel_min_blocks(int warp_size, int experts_per_lane) {
+  return experts_per_lane <= (warp_size == 64 ? 12 : 24) ? kMinBlocksPerMultiprocessor : 1;
 }
 static_assert(kGeneralThreads <= kMaxThreadsPerBlock, "launch bounds of the block kernel");
 

@@ -306,7 +306,8 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
 
 // kOptions: the instance that applies the routing options; a plain call runs the other.
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock, warp_kernel_min_blocks(kExpertsPerLane))
+__global__ void __launch_bounds__(kMaxThreadsPerBlock,
+                                  warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions>(args);
