@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "host_device/routing_options.h"
+
 namespace moeext::cpu {
 namespace {
 
@@ -51,18 +53,10 @@ void record(Id* routed, int64_t routed_row_stride, const int32_t* ids, int64_t i
 
 }  // namespace
 
-int64_t counted_rows(const RoutingOptions& o, int64_t num_tokens) {
-  if (o.num_valid_tokens == nullptr) return num_tokens;
-  const int64_t valid = o.valid_dtype == IntType::kInt32
-                            ? *static_cast<const int32_t*>(o.num_valid_tokens)
-                            : *static_cast<const int64_t*>(o.num_valid_tokens);
-  return std::clamp<int64_t>(valid, 0, num_tokens);
-}
-
 void apply_routing_options(const BiasedGroupedTopkParams& p, int64_t row_begin,
                            int64_t row_end) {
   const RoutingOptions& o = p.options;
-  const int64_t counted_end = std::min(row_end, counted_rows(o, p.num_tokens));
+  const int64_t counted_end = std::min(row_end, host_device::counted_rows(o, p.num_tokens));
   const int32_t* first_ids = p.topk_ids + row_begin * p.ids_row_stride;
   if (counted_end > row_begin) {
     const int64_t rows = counted_end - row_begin;
@@ -86,17 +80,12 @@ void apply_routing_options(const BiasedGroupedTopkParams& p, int64_t row_begin,
     }
   }
   if (o.num_shared_experts == 0 && o.expert_map == nullptr) return;
-  const int64_t columns = p.topk + o.num_shared_experts;
   for (int64_t t = row_begin; t < row_end; ++t) {
-    float* weights = p.topk_weights + t * p.weights_row_stride;
     int32_t* ids = p.topk_ids + t * p.ids_row_stride;
-    for (int64_t j = 0; j < o.num_shared_experts; ++j) {
-      weights[p.topk + j] = o.shared_expert_weight;
-      ids[p.topk + j] = int32_t(p.num_experts + j);
-    }
     if (o.expert_map != nullptr) {
-      for (int64_t j = 0; j < columns; ++j) ids[j] = o.expert_map[ids[j] * o.map_stride];
+      for (int64_t j = 0; j < p.topk; ++j) ids[j] = host_device::mapped_id(o, ids[j]);
     }
+    for (int64_t j = 0; j < o.num_shared_experts; ++j) host_device::write_shared_expert(p, t, j);
   }
 }
 

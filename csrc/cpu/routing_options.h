@@ -10,13 +10,9 @@
 namespace moeext::cpu {
 
 // Rows [row_begin, row_end), whose first p.topk columns hold the routed choice: records and
-// counts the logical ids of the valid ones, writes the shared experts' columns, then maps
-// every id through the expert map. Runs on the calling thread; the counts are added
+// counts the logical ids of the valid ones, maps every routed id through the expert map, and
+// writes the shared experts' columns (their ids mapped too). Runs on the calling thread; the counts are added
 // atomically, so chunks of one call may run on several threads.
 void apply_routing_options(const BiasedGroupedTopkParams& p, int64_t row_begin, int64_t row_end);
-
-// The rows a call counts and records: num_valid_tokens clamped to [0, num_tokens], or every
-// row without it.
-int64_t counted_rows(const RoutingOptions& options, int64_t num_tokens);
 
 }  // namespace moeext::cpu

@@ -8,11 +8,14 @@
 #include "gpu/compat.h"
 #include "gpu/grouped_topk_plan.h"
 #include "host_device/routing.h"
+#include "host_device/routing_options.h"
 #include "moeext/grouped_topk.h"
 
 namespace moeext::gpu::grouped_topk {
 
-// The routing logic the CPU kernel shares (key packing, group scores, weights, NaN policy).
+// The routing logic the CPU kernel shares (key packing, group scores, weights, NaN policy,
+// the options' rows, map, record and shared experts).
+using host_device::counted_rows;
 using host_device::finalize_weight;
 using host_device::group_score;
 using host_device::is_nan;
@@ -20,14 +23,17 @@ using host_device::key_from_ordered;
 using host_device::key_index;
 using host_device::kRemovedKey;
 using host_device::make_key;
+using host_device::mapped_id;
 using host_device::nan_to_neg_inf;
 using host_device::neg_inf;
 using host_device::ordered_bits;
+using host_device::record_routed;
 using host_device::Top2;
 using host_device::top2_empty;
 using host_device::top2_merge;
 using host_device::top2_push;
 using host_device::weight_of_score;
+using host_device::write_shared_expert;
 
 namespace {
 
@@ -113,30 +119,15 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // ---- The routing options (docs/SPEC.md section 6), in the kernels' kOptions instances ----
-
-// The rows a launch counts and records: num_valid_tokens clamped to [0, num_tokens], read
-// from device memory when the kernel runs (so a captured graph reads the replay's count).
-__device__ __forceinline__ int64_t counted_rows(const RoutingOptions& o, int64_t num_tokens) {
-  if (o.num_valid_tokens == nullptr) return num_tokens;
-  const int64_t valid = o.valid_dtype == IntType::kInt32
-                            ? int64_t(*static_cast<const int32_t*>(o.num_valid_tokens))
-                            : *static_cast<const int64_t*>(o.num_valid_tokens);
-  return valid < 0 ? 0 : (valid > num_tokens ? num_tokens : valid);
-}
+// What the rows count and how an id is recorded, mapped and written for a shared expert:
+// host_device/routing_options.h, the CPU's own functions.
 
 // Routed expert j of row `token`, the logical expert `id`: recorded and counted where the row
 // counts. Returns the id to write, through the expert map.
 __device__ __forceinline__ int32_t finish_routed(const RoutingOptions& o, int64_t token, int j,
                                                  uint32_t id, bool counted) {
   if (counted) {
-    if (o.routed_experts != nullptr) {
-      const int64_t at = token * o.routed_row_stride + j;
-      if (o.routed_dtype == IntType::kInt16) {
-        static_cast<int16_t*>(o.routed_experts)[at] = int16_t(id);
-      } else {
-        static_cast<int32_t*>(o.routed_experts)[at] = int32_t(id);
-      }
-    }
+    if (o.routed_experts != nullptr) record_routed(o, token, j, id);
     if (o.expert_counts != nullptr) {
       const int64_t at = int64_t(id) * o.counts_stride;
       if (o.counts_dtype == IntType::kInt32) {
@@ -147,18 +138,14 @@ __device__ __forceinline__ int32_t finish_routed(const RoutingOptions& o, int64_
       }
     }
   }
-  return o.expert_map != nullptr ? o.expert_map[int64_t(id) * o.map_stride] : int32_t(id);
+  return mapped_id(o, id);
 }
 
 // The shared experts' columns of row `token`; this thread writes columns first, first + step...
 __device__ __forceinline__ void write_shared_experts(const BiasedGroupedTopkParams& p,
                                                      int64_t token, int first, int step) {
-  const RoutingOptions& o = p.options;
-  for (int64_t j = first; j < o.num_shared_experts; j += step) {
-    const int64_t id = p.num_experts + j;
-    p.topk_ids[token * p.ids_row_stride + p.topk + j] =
-        o.expert_map != nullptr ? o.expert_map[id * o.map_stride] : int32_t(id);
-    p.topk_weights[token * p.weights_row_stride + p.topk + j] = o.shared_expert_weight;
+  for (int64_t j = first; j < p.options.num_shared_experts; j += step) {
+    write_shared_expert(p, token, j);
   }
 }
 
