@@ -105,13 +105,18 @@ PyObject* to_python(const at::Tensor& t) { return THPVariable_Wrap(t); }
 
 namespace {
 
-// A Python tuple of the tensors, or nullptr with the Python error set.
+// A Python tuple of the tensors (None for a null entry), or nullptr with the Python error set.
 template <size_t N>
 PyObject* tensor_tuple(const std::array<const at::Tensor*, N>& tensors) {
   PyObject* result = PyTuple_New(Py_ssize_t(N));
   if (result == nullptr) return nullptr;
   for (size_t i = 0; i < N; ++i) {
-    PyObject* item = THPVariable_Wrap(*tensors[i]);
+    PyObject* item = Py_None;
+    if (tensors[i] != nullptr) {
+      item = THPVariable_Wrap(*tensors[i]);
+    } else {
+      Py_INCREF(item);
+    }
     if (item == nullptr) {
       Py_DECREF(result);
       return nullptr;
@@ -129,6 +134,10 @@ PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t) {
 
 PyObject* to_python(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& t) {
   return tensor_tuple<3>({&std::get<0>(t), &std::get<1>(t), &std::get<2>(t)});
+}
+
+PyObject* to_python_first_two(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& t) {
+  return tensor_tuple<3>({&std::get<0>(t), &std::get<1>(t), nullptr});
 }
 
 bool torch_function_mode_active() { return at::impl::torch_function_mode_enabled(); }

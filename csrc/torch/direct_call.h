@@ -77,6 +77,8 @@ bool from_default(const c10::IValue& value, c10::SymInt& out);
 PyObject* to_python(const at::Tensor& t);
 PyObject* to_python(const std::tuple<at::Tensor, at::Tensor>& t);
 PyObject* to_python(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& t);
+// (t0, t1, None): the third tensor left out of Python.
+PyObject* to_python_first_two(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& t);
 
 // A torch-function mode would see the op through torch.ops; a direct call would not.
 bool torch_function_mode_active();

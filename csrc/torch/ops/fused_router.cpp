@@ -3,15 +3,14 @@
 // direct call of the Python wrapper; the checks are the two ops' own (router_gemm_common.h,
 // routing_common.h).
 #include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "moeext/fused_router.h"
 #include "torch/autograd_kernels.h"
@@ -223,20 +222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router_autograd(
 PyObject* fused_router_to_python(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& out,
                                  PyObject* const* args, Py_ssize_t nargs) {
   constexpr Py_ssize_t kReturnLogits = 15;
-  if (nargs > kReturnLogits && args[kReturnLogits] == Py_True) return to_python(out);
-  PyObject* result = PyTuple_New(3);
-  if (result == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < 2; ++i) {
-    PyObject* tensor = to_python(i == 0 ? std::get<0>(out) : std::get<1>(out));
-    if (tensor == nullptr) {
-      Py_DECREF(result);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(result, i, tensor);
-  }
-  Py_INCREF(Py_None);
-  PyTuple_SET_ITEM(result, 2, Py_None);
-  return result;
+  const bool returned = nargs > kReturnLogits && args[kReturnLogits] == Py_True;
+  return returned ? to_python(out) : to_python_first_two(out);
 }
 
 PyObject* call_fused_router(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
