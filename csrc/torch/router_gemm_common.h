@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "moeext/router_gemm.h"
 #include "torch/binding.h"
@@ -17,6 +18,20 @@ inline bool is_prepacked(const at::Tensor& weight) { return weight.dim() == 3; }
 
 inline int64_t num_experts_of(const at::Tensor& weight) {
   return is_prepacked(weight) ? weight.size(1) : weight.size(0);
+}
+
+// The weight layouts a device reads: a prepacked weight is the CPU's own.
+template <typename Device>
+inline void check_weight_layout(const at::Tensor& hidden_states, const at::Tensor& weight,
+                         const char* op) {
+#if defined(MOEEXT_GPU_BACKEND)
+  if constexpr (std::is_same_v<Device, Gpu>) {
+    TORCH_CHECK(!is_prepacked(weight), op,
+                ": a prepacked weight (moeext.prepack_router_weight) is a CPU layout; on ",
+                hidden_states.device(), " pass the [num_experts, hidden_size] weight");
+  }
+#endif
+  (void)hidden_states, (void)weight, (void)op;
 }
 
 // Checks the arguments of a router GEMM; returns the logits dtype (out_dtype, float32 if none).

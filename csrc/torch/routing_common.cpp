@@ -55,6 +55,16 @@ const CheckMessage kRoutedInt16{
 const CheckMessage kValidTokens{
     "routing.num_valid_tokens",
     "{op}: num_valid_tokens must hold one int32 or int64, got {dtype} with {numel} elements"};
+const CheckMessage kOutputRank{"routing.output_rank",
+                               "{op}: {arg} must be 2-D [num_tokens, topk], got {dim}-D"};
+const CheckMessage kOutputDtype{"routing.output_dtype", "{op}: {arg} must be {expected}, got {dtype}"};
+const CheckMessage kOutputShape{"routing.output_shape",
+                                "{op}: {arg} must have shape [{num_tokens}, {columns}], got {shape}"};
+const CheckMessage kOutColumns{
+    "routing.out_columns",
+    "{op}: topk_ids has {columns} columns, which leaves no routed expert beside the "
+    "num_fused_shared_experts ({shared})"};
+const CheckMessages kOutMessages{&kOutputRank, &kOutputDtype, &kOutputShape, &kOutColumns};
 const CheckMessages kMessages{
     &kLogitsRank,     &kScoringFunc,   &kExpertsFitInt32, &kGroupsPositive, &kGroupsDivide,
     &kTopkGroupRange, &kTopkPositive,  &kTopkRange,       &kBiasShape,      &kSharedExperts,
@@ -143,6 +153,33 @@ void check_logits(const at::Tensor& gating_output, const char* op) {
   TORCH_CHECK(gating_output.dim() == 2,
               kLogitsRank({{"op", op}, {"shape", gating_output.sizes()}}));
   to_moeext_dtype(gating_output, op, "gating_output");
+}
+
+int64_t check_out_columns(const at::Tensor& topk_ids, int64_t num_fused_shared_experts,
+                          const char* op) {
+  TORCH_CHECK(topk_ids.dim() == 2,
+              kOutputRank({{"op", op}, {"arg", "topk_ids"}, {"dim", topk_ids.dim()}}));
+  check_shared_experts(num_fused_shared_experts, op);
+  const int64_t columns = topk_ids.size(1);
+  const int64_t topk = columns - num_fused_shared_experts;
+  TORCH_CHECK(num_fused_shared_experts == 0 || topk >= 1,
+              kOutColumns({{"op", op}, {"columns", columns}, {"shared", num_fused_shared_experts}}));
+  return topk;
+}
+
+void check_output(const at::Tensor& out, const at::Tensor& gating_output, at::ScalarType dtype,
+                  int64_t columns, const char* op, const char* arg, const char* logits_name) {
+  TORCH_CHECK(out.dim() == 2, kOutputRank({{"op", op}, {"arg", arg}, {"dim", out.dim()}}));
+  TORCH_CHECK(out.scalar_type() == dtype, kOutputDtype({{"op", op}, {"arg", arg},
+                                                        {"expected", dtype},
+                                                        {"dtype", out.scalar_type()}}));
+  check_same_device(out, arg, gating_output, logits_name, op);
+  TORCH_CHECK(out.size(0) == gating_output.size(0) && out.size(1) == columns,
+              kOutputShape({{"op", op}, {"arg", arg}, {"num_tokens", gating_output.size(0)},
+                            {"columns", columns}, {"shape", out.sizes()}}));
+  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1, op, ": ", arg,
+              " must have contiguous columns (stride(1) == 1; rows may be strided), got strides ",
+              out.strides());
 }
 
 ScoringFunc parse_scoring_func(std::string_view name, const char* op) {

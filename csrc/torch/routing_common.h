@@ -52,6 +52,18 @@ RoutingOptions check_options(const OptionArgs& options, const at::Tensor& gating
                              int64_t topk, const char* op,
                              const char* logits_name = "gating_output");
 
+// The out= forms' topk_ids: 2-D, with a routed column beside the num_fused_shared_experts
+// (checked here too); returns topk, its columns less the shared experts'.
+int64_t check_out_columns(const at::Tensor& topk_ids, int64_t num_fused_shared_experts,
+                          const char* op);
+
+// topk_weights or topk_ids of an out= form: [num_tokens, columns] of `dtype`, on the device
+// of the logits (gating_output, or the op's logits buffer; logits_name names it), columns
+// contiguous.
+void check_output(const at::Tensor& out, const at::Tensor& gating_output, at::ScalarType dtype,
+                  int64_t columns, const char* op, const char* arg,
+                  const char* logits_name = "gating_output");
+
 // Launcher params from checked inputs and outputs (float32 / int32 [num_tokens, topk + S]
 // with contiguous columns on gating_output's device); the options unset.
 BiasedGroupedTopkParams fill_routing_params(

@@ -16,7 +16,6 @@
 #include "moeext/grouped_topk.h"
 #include "torch/autograd_kernels.h"
 #include "torch/binding.h"
-#include "torch/check_messages.h"
 #include "torch/direct_call.h"
 #include "torch/memory_overlap.h"
 #include "torch/routing_backward.h"
@@ -24,35 +23,6 @@
 
 namespace moeext::torch_glue {
 namespace {
-
-// ---- Checks ------------------------------------------------------------------------------
-
-const CheckMessage kOutputRank{"routing.output_rank",
-                               "{op}: {arg} must be 2-D [num_tokens, topk], got {dim}-D"};
-const CheckMessage kOutputDtype{"routing.output_dtype", "{op}: {arg} must be {expected}, got {dtype}"};
-const CheckMessage kOutputShape{"routing.output_shape",
-                                "{op}: {arg} must have shape [{num_tokens}, {columns}], got {shape}"};
-const CheckMessage kOutColumns{
-    "routing.out_columns",
-    "{op}: topk_ids has {columns} columns, which leaves no routed expert beside the "
-    "num_fused_shared_experts ({shared})"};
-const CheckMessages kMessages{&kOutputRank, &kOutputDtype, &kOutputShape, &kOutColumns};
-
-// topk_weights or topk_ids of the out= form: [num_tokens, columns] of `dtype`.
-void check_output(const at::Tensor& out, const at::Tensor& gating_output, at::ScalarType dtype,
-                  int64_t columns, const char* op, const char* arg) {
-  TORCH_CHECK(out.dim() == 2, kOutputRank({{"op", op}, {"arg", arg}, {"dim", out.dim()}}));
-  TORCH_CHECK(out.scalar_type() == dtype, kOutputDtype({{"op", op}, {"arg", arg},
-                                                        {"expected", dtype},
-                                                        {"dtype", out.scalar_type()}}));
-  check_same_device(out, arg, gating_output, "gating_output", op);
-  TORCH_CHECK(out.size(0) == gating_output.size(0) && out.size(1) == columns,
-              kOutputShape({{"op", op}, {"arg", arg}, {"num_tokens", gating_output.size(0)},
-                            {"columns", columns}, {"shape", out.sizes()}}));
-  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1, op, ": ", arg,
-              " must have contiguous columns (stride(1) == 1; rows may be strided), got strides ",
-              out.strides());
-}
 
 // ---- The ops -----------------------------------------------------------------------------
 
@@ -101,13 +71,8 @@ void biased_grouped_topk_out(
     const std::optional<at::Tensor>& num_valid_tokens) {
   constexpr const char* op = "biased_grouped_topk_out";
   Device::check_device(gating_output, op, "gating_output");
-  TORCH_CHECK(topk_ids.dim() == 2,
-              kOutputRank({{"op", op}, {"arg", "topk_ids"}, {"dim", topk_ids.dim()}}));
-  check_shared_experts(num_fused_shared_experts, op);
+  const int64_t topk = check_out_columns(topk_ids, num_fused_shared_experts, op);
   const int64_t columns = topk_ids.size(1);
-  const int64_t topk = columns - num_fused_shared_experts;
-  TORCH_CHECK(num_fused_shared_experts == 0 || topk >= 1,
-              kOutColumns({{"op", op}, {"columns", columns}, {"shared", num_fused_shared_experts}}));
   const ScoringFunc scoring = check_routing(gating_output, correction_bias, num_expert_group,
                                            topk_group, topk, as_std(scoring_func), op);
   check_output(topk_weights, gating_output, at::kFloat, columns, op, "topk_weights");

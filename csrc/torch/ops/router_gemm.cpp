@@ -26,13 +26,7 @@ at::Tensor router_gemm(const at::Tensor& hidden_states, const at::Tensor& weight
                        std::optional<at::ScalarType> out_dtype) {
   constexpr const char* op = "router_gemm";
   Device::check_device(hidden_states, op, "hidden_states");
-#if defined(MOEEXT_GPU_BACKEND)
-  if constexpr (std::is_same_v<Device, Gpu>) {
-    TORCH_CHECK(!is_prepacked(weight), op,
-                ": a prepacked weight (moeext.prepack_router_weight) is a CPU layout; on ",
-                hidden_states.device(), " pass the [num_experts, hidden_size] weight");
-  }
-#endif
+  check_weight_layout<Device>(hidden_states, weight, op);
   const at::ScalarType logits_dtype = check_router_gemm(hidden_states, weight, out_dtype, op);
   at::Tensor logits = Device::empty({hidden_states.size(0), num_experts_of(weight)},
                                     logits_dtype, hidden_states);
