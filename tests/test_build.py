@@ -45,7 +45,7 @@ def test_set_cpu_isa_round_trip():
 
 
 OPS = ("biased_grouped_topk", "biased_grouped_topk_out", "routing_weights", "router_gemm",
-       "fused_router", "zero_tail_", "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight",
+       "fused_router", "fused_router_out", "zero_tail_", "zero_tail_tracked_", "shuffle_weight", "unshuffle_weight",
        "e8m0_shuffle", "e8m0_unshuffle")
 
 

@@ -393,3 +393,250 @@ def test_repeated_calls_on_two_streams():
     torch.cuda.synchronize()
     for i, got in results:
         assert_equal(got, expected[i])
+
+
+# ---- The out= form ---------------------------------------------------------------------------
+
+def out_buffers(num_tokens, columns, device, extra=3):
+    """topk_weights and topk_ids as the first columns of wider buffers filled with sentinels,
+    so that rows are strided and a write outside the view shows."""
+    weights = torch.full((num_tokens, columns + extra), -7.0, device=device)
+    ids = torch.full((num_tokens, columns + extra), -7, dtype=torch.int32, device=device)
+    return weights, ids
+
+
+def assert_untouched_beyond(buffers, columns):
+    for buf in buffers:
+        assert bool((buf[:, columns:] == -7).all())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17])
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2", "deepseek-v2", "nemotron-style"])
+def test_out_form_equals_the_functional_form(device_isa, preset, num_tokens):
+    device, _ = device_isa
+    p = PRESETS[preset]
+    hidden, weight, bias = make_inputs(num_tokens, 192, preset, seed=num_tokens, device=device)
+    expected = moeext.fused_router(hidden, weight, bias, **p.op_kwargs())[:2]
+    weights_buf, ids_buf = out_buffers(num_tokens, p.topk, device)
+    kw = p.op_kwargs()
+    del kw["topk"]
+    assert moeext.fused_router_out(hidden, weight, bias, weights_buf[:, :p.topk],
+                                   ids_buf[:, :p.topk], **kw) is None
+    assert_equal((weights_buf[:, :p.topk], ids_buf[:, :p.topk]), expected)
+    assert_untouched_beyond((weights_buf, ids_buf), p.topk)
+
+
+def test_out_form_with_a_prepacked_weight_and_non_contiguous_hidden_states(device_isa):
+    device, _ = device_isa
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(5, 256, "deepseek-v3", device=device)
+    wide = torch.zeros(5, 512, dtype=hidden.dtype, device=device)
+    wide[:, ::2] = hidden
+    strided_hidden = wide[:, ::2]
+    weights, ids = torch.empty(5, 8, device=device), torch.empty(5, 8, dtype=torch.int32,
+                                                                 device=device)
+    gates = [weight] + ([moeext.prepack_router_weight(weight)] if device == "cpu" else [])
+    for gate in gates:  # a prepacked gate sums in its own order: compared with its own call
+        expected = moeext.fused_router(hidden, gate, bias, **p.op_kwargs())[:2]
+        weights.fill_(-1)
+        ids.fill_(-1)
+        moeext.fused_router_out(strided_hidden, gate, bias, weights, ids, 8, 4, True, 2.5)
+        assert_equal((weights, ids), expected)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6])
+def test_out_form_with_every_option(device_isa, num_tokens):
+    device, _ = device_isa
+    p = PRESETS["deepseek-v3"]
+    hidden, weight, bias = make_inputs(num_tokens, 128, "deepseek-v3", seed=num_tokens,
+                                       device=device)
+    expert_map = torch.randperm(p.num_experts + 2, generator=torch.Generator().manual_seed(3))
+    expert_map = expert_map.to(torch.int32).to(device)
+    valid = torch.tensor([max(1, num_tokens - 2)], dtype=torch.int32, device=device)
+
+    def buffers():
+        return (torch.full((p.num_experts,), 4, dtype=torch.int64, device=device),
+                torch.full((num_tokens + 1, p.topk), -1, dtype=torch.int32, device=device))
+
+    options = dict(num_fused_shared_experts=2, shared_expert_weight=0.5, expert_map=expert_map,
+                   num_valid_tokens=valid)
+    expected_counts, expected_record = buffers()
+    expected = moeext.fused_router(hidden, weight, bias, **p.op_kwargs(), **options,
+                                   expert_counts=expected_counts,
+                                   routed_experts=expected_record)[:2]
+    counts, record = buffers()
+    weights_buf, ids_buf = out_buffers(num_tokens, p.topk + 2, device)
+    moeext.fused_router_out(hidden, weight, bias, weights_buf[:, :p.topk + 2],
+                            ids_buf[:, :p.topk + 2], 8, 4, True, 2.5, "sigmoid", **options,
+                            expert_counts=counts, routed_experts=record)
+    assert_equal((weights_buf[:, :p.topk + 2], ids_buf[:, :p.topk + 2], counts, record),
+                 (*expected, expected_counts, expected_record))
+    assert_untouched_beyond((weights_buf, ids_buf), p.topk + 2)
+
+
+def _out_error_cases():
+    def call(weights=None, ids=None, hidden=None, **changes):
+        def run(device, counts, made):
+            h, w, b = make_inputs(3, 64, "deepseek-v3", device=device)
+            h = h if hidden is None else hidden(h)
+            tw = torch.full((3, 8), -7.0, device=device) if weights is None else weights(h, device)
+            ti = (torch.full((3, 8), -7, dtype=torch.int32, device=device) if ids is None
+                  else ids(tw, device))
+            made.extend((t, t.clone()) for t in (h, tw, ti))
+            args = dict(num_expert_group=8, topk_group=4, expert_counts=counts)
+            args.update(changes)
+            moeext.fused_router_out(h, w, b, tw, ti, **args)
+        return run
+
+    f32 = torch.float32
+    return [
+        (call(weights=lambda h, d: torch.zeros(3, 8, dtype=torch.float16, device=d)),
+         r"fused_router_out: topk_weights must be Float, got Half"),
+        (call(ids=lambda tw, d: torch.zeros(3, 8, dtype=torch.int64, device=d)),
+         r"fused_router_out: topk_ids must be Int, got Long"),
+        (call(weights=lambda h, d: torch.zeros(2, 8, device=d)),
+         r"fused_router_out: topk_weights must have shape \[3, 8\], got \[2, 8\]"),
+        (call(ids=lambda tw, d: torch.zeros(3, 8, 1, dtype=torch.int32, device=d)),
+         r"fused_router_out: topk_ids must be 2-D \[num_tokens, topk\], got 3-D"),
+        (call(weights=lambda h, d: torch.zeros(8, 3, device=d).t()),
+         r"fused_router_out: topk_weights must have contiguous columns"),
+        (call(ids=lambda tw, d: tw.view(torch.int32)),
+         r"fused_router_out: topk_weights and topk_ids share memory|"
+         r"fused_router_out: .*topk_ids.*share"),
+        (call(weights=lambda h, d: h.view(f32)[:, :8]),
+         r"fused_router_out: topk_weights and hidden_states share memory"),
+        (call(ids=lambda tw, d: torch.zeros(3, 1, dtype=torch.int32, device=d),
+              num_fused_shared_experts=1),
+         r"fused_router_out: topk_ids has 1 columns, which leaves no routed expert"),
+        (call(num_expert_group=7), r"fused_router_out: num_expert_group \(7\) must divide"),
+        (call(scoring_func="tanh"), r"fused_router_out: scoring_func must be"),
+        (call(expert_map=torch.zeros(255, dtype=torch.int32)),
+         r"fused_router_out: expert_map must be int32 of shape \[256\]"),
+        (call(hidden=lambda h: h.float()),
+         r"fused_router_out: weight must have the dtype of hidden_states \(Float\)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_out_error_cases())))
+def test_out_form_errors_name_the_argument_and_write_nothing(case):
+    run, message = _out_error_cases()[case]
+    counts = torch.full((256,), 5, dtype=torch.int64)
+    made = []
+    with pytest.raises(RuntimeError, match=message):
+        run("cpu", counts, made)
+    assert bool((counts == 5).all())
+    for tensor, before in made:
+        assert_equal((tensor,), (before,))
+
+
+def test_out_form_writes_nothing_on_error_into_its_outputs(device):
+    hidden, weight, bias = make_inputs(3, 64, "deepseek-v3", device=device)
+    weights = torch.full((3, 8), -7.0, device=device)
+    ids = torch.full((3, 8), -7, dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match=r"fused_router_out: num_expert_group \(7\)"):
+        moeext.fused_router_out(hidden, weight, bias, weights, ids, 7, 4)
+    with pytest.raises(RuntimeError, match="fused_router_out: topk_ids and weight share"):
+        moeext.fused_router_out(hidden, weight, bias, weights, weight.view(torch.int32)[:3, :8],
+                                8, 4)
+    assert bool((weights == -7).all()) and bool((ids == -7).all())
+
+
+def test_out_form_refuses_a_gradient_and_bumps_versions(device):
+    hidden, weight, bias = make_inputs(2, 64, "deepseek-v3", device=device, dtype=torch.float32)
+    weights = torch.full((2, 8), -7.0, device=device)
+    ids = torch.full((2, 8), -7, dtype=torch.int32, device=device)
+    for name, args in (("hidden_states", (hidden.clone().requires_grad_(), weight)),
+                       ("weight", (hidden, weight.clone().requires_grad_()))):
+        with pytest.raises(RuntimeError, match=f"fused_router_out: {name} requires grad"):
+            moeext.fused_router_out(*args, bias, weights, ids, 8, 4)
+    assert bool((weights == -7).all()) and bool((ids == -7).all())
+    before = (weights._version, ids._version)
+    moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4)
+    assert weights._version > before[0] and ids._version > before[1]
+    with torch.no_grad():
+        moeext.fused_router_out(hidden.clone().requires_grad_(), weight, bias, weights, ids, 8, 4)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_out_form_opcheck(device, num_tokens):
+    hidden, weight, bias = make_inputs(num_tokens, 96, "deepseek-v3", device=device)
+    op = torch.ops.moeext.fused_router_out.default
+    weights = torch.empty(num_tokens, 8, device=device)
+    ids = torch.empty(num_tokens, 8, dtype=torch.int32, device=device)
+    torch.library.opcheck(op, (hidden, weight, bias, weights, ids, 8, 4, True, 2.5, "sigmoid"))
+    counts = torch.zeros(256, dtype=torch.int32, device=device)
+    record = torch.zeros(num_tokens + 1, 8, dtype=torch.int16, device=device)
+    expert_map = torch.arange(257, dtype=torch.int32, device=device)
+    shared_weights = torch.empty(num_tokens, 9, device=device)
+    shared_ids = torch.empty(num_tokens, 9, dtype=torch.int32, device=device)
+    torch.library.opcheck(op, (hidden, weight, None, shared_weights, shared_ids, 8, 4, False,
+                               1.0, "softmax", 1, 0.5, expert_map, counts, record, None))
+
+
+def test_out_form_compiles_fullgraph(device):
+    torch._dynamo.reset()
+    p = PRESETS["deepseek-v3"]
+    weights_buf, ids_buf = out_buffers(17, 8, device)
+
+    def route(hidden, weight, bias):
+        n = hidden.shape[0]
+        moeext.fused_router_out(hidden * 1.0, weight, bias, weights_buf[:n, :8],
+                                ids_buf[:n, :8], 8, 4, True, 2.5)
+        return weights_buf[:n, :8] * 2, ids_buf[:n, :8] + 0
+
+    compiled = torch.compile(route, fullgraph=True, dynamic=True)
+    for num_tokens in (3, 17, 1):
+        hidden, weight, bias = make_inputs(num_tokens, 128, "deepseek-v3", seed=num_tokens,
+                                           device=device)
+        expected = moeext.fused_router(hidden, weight, bias, **p.op_kwargs())[:2]
+        got = compiled(hidden, weight, bias)
+        assert_equal(got, (expected[0] * 2, expected[1]))
+    assert_untouched_beyond((weights_buf, ids_buf), 8)
+
+
+def test_out_form_direct_call_is_the_op(device):
+    hidden, weight, bias = make_inputs(4, 64, "deepseek-v3", device=device)
+    weights, ids = torch.empty(4, 8, device=device), torch.empty(4, 8, dtype=torch.int32,
+                                                                 device=device)
+    args = (hidden, weight, bias, weights, ids, 8, 4, True, 2.5, "sigmoid", 0, 1.0, None, None,
+            None, None)
+    assert moeext._C.call_fused_router_out(*args) is None  # taken, not declined
+    expected = (weights.clone(), ids.clone())
+    weights.zero_()
+    ids.zero_()
+    torch.ops.moeext.fused_router_out(*args)
+    assert_equal((weights, ids), expected)
+    assert moeext._C.call_fused_router_out(*args[:6]) is NotImplemented  # topk_group missing
+    assert moeext._C.call_fused_router_out(*args[:9], b"sigmoid") is NotImplemented
+
+
+@pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
+def test_out_form_in_a_cuda_graph():
+    # Persistent buffers, as a decode step captures them: the graph's replays route whatever
+    # the input buffer holds, and the counts accumulate over replays.
+    p = PRESETS["deepseek-v3"]
+    inputs = [make_inputs(4, 7168, "deepseek-v3", seed=s, device="cuda") for s in range(3)]
+    hidden = inputs[0][0].clone()
+    weight, bias = inputs[0][1], inputs[0][2]
+    weights = torch.empty(4, 8, device="cuda")
+    ids = torch.empty(4, 8, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4, True, 2.5,
+                                expert_counts=counts)
+    torch.cuda.synchronize()
+    counts.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4, True, 2.5,
+                                expert_counts=counts)
+    expected_counts = torch.zeros_like(counts)
+    for h, _, _ in inputs:
+        hidden.copy_(h)
+        graph.replay()
+        expected_weights, expected_ids = moeext.fused_router(h, weight, bias, **p.op_kwargs(),
+                                                             expert_counts=expected_counts)[:2]
+        torch.cuda.synchronize()
+        assert_equal((weights, ids), (expected_weights, expected_ids))
+    assert torch.equal(counts, expected_counts)

@@ -34,6 +34,13 @@ TORCH_LIBRARY(moeext, m) {
       "Tensor? expert_map=None, Tensor(c!)? expert_counts=None, "
       "Tensor(d!)? routed_experts=None, Tensor? num_valid_tokens=None, "
       "bool return_logits=False) -> (Tensor topk_weights, Tensor topk_ids, Tensor logits)");
+  m.def(
+      "fused_router_out(Tensor hidden_states, Tensor weight, Tensor? correction_bias, "
+      "Tensor(a!) topk_weights, Tensor(b!) topk_ids, int num_expert_group, int topk_group, "
+      "bool renormalize=True, float routed_scaling_factor=1.0, str scoring_func=\"sigmoid\", "
+      "int num_fused_shared_experts=0, float shared_expert_weight=1.0, "
+      "Tensor? expert_map=None, Tensor(c!)? expert_counts=None, "
+      "Tensor(d!)? routed_experts=None, Tensor? num_valid_tokens=None) -> ()");
   // SymInt: an extent is usually a batch size, which torch.compile keeps symbolic; an int
   // argument would specialise the graph to each one and recompile per batch size.
   m.def("zero_tail_(Tensor(a!) buf, SymInt new_extent, SymInt prev_extent) -> ()");

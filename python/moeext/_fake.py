@@ -132,14 +132,9 @@ def _biased_grouped_topk_fake(gating_output, correction_bias, num_expert_group, 
     return weights, ids
 
 
-@torch.library.register_fake("moeext::biased_grouped_topk_out")
-def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, topk_ids,
-                                  num_expert_group, topk_group, renormalize=True,
-                                  routed_scaling_factor=1.0, scoring_func="sigmoid",
-                                  num_fused_shared_experts=0, shared_expert_weight=1.0,
-                                  expert_map=None, expert_counts=None, routed_experts=None,
-                                  num_valid_tokens=None):
-    op = "biased_grouped_topk_out"
+
+def _check_out_columns(op, topk_ids, num_fused_shared_experts):
+    """The out= forms' topk_ids: 2-D with a routed column beside the shared experts; topk."""
     torch._check(topk_ids.dim() == 2,
                  _message("routing.output_rank", op=op, arg="topk_ids", dim=topk_ids.dim()))
     torch._check(num_fused_shared_experts >= 0, _message(
@@ -149,19 +144,37 @@ def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, 
     torch._check(num_fused_shared_experts == 0 or topk >= 1,
                  _message("routing.out_columns", op=op, columns=columns,
                           shared=num_fused_shared_experts))
-    _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group, topk,
-                        scoring_func)
+    return topk
+
+
+def _check_outputs(op, gating_output, topk_weights, topk_ids, columns,
+                   logits_name="gating_output"):
+    """The out= forms' topk_weights and topk_ids: [num_tokens, columns] float32 / int32."""
     for arg, out, dtype in (("topk_weights", topk_weights, torch.float32),
                             ("topk_ids", topk_ids, torch.int32)):
         torch._check(out.dim() == 2, _message("routing.output_rank", op=op, arg=arg,
                                               dim=out.dim()))
         torch._check(out.dtype == dtype, _message("routing.output_dtype", op=op, arg=arg,
                                                   expected=dtype, dtype=out.dtype))
-        _check_same_device(op, arg, out, "gating_output", gating_output)
+        _check_same_device(op, arg, out, logits_name, gating_output)
         _check_shape(out, (gating_output.shape[0], columns),
                      _message("routing.output_shape", op=op, arg=arg,
                               num_tokens=gating_output.shape[0], columns=columns,
                               shape=list(out.shape)))
+
+@torch.library.register_fake("moeext::biased_grouped_topk_out")
+def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, topk_ids,
+                                  num_expert_group, topk_group, renormalize=True,
+                                  routed_scaling_factor=1.0, scoring_func="sigmoid",
+                                  num_fused_shared_experts=0, shared_expert_weight=1.0,
+                                  expert_map=None, expert_counts=None, routed_experts=None,
+                                  num_valid_tokens=None):
+    op = "biased_grouped_topk_out"
+    topk = _check_out_columns(op, topk_ids, num_fused_shared_experts)
+    columns = topk_ids.shape[1]
+    _check_grouped_topk(op, gating_output, correction_bias, num_expert_group, topk_group, topk,
+                        scoring_func)
+    _check_outputs(op, gating_output, topk_weights, topk_ids, columns)
     _check_options(op, gating_output, topk, num_fused_shared_experts, expert_map,
                    expert_counts, routed_experts, num_valid_tokens)
     return None
@@ -249,6 +262,27 @@ def _fused_router_fake(hidden_states, weight, correction_bias, num_expert_group,
         logits = hidden_states.new_empty((0, num_experts), dtype=torch.float32)
     return weights, ids, logits
 
+
+
+@torch.library.register_fake("moeext::fused_router_out")
+def _fused_router_out_fake(hidden_states, weight, correction_bias, topk_weights, topk_ids,
+                           num_expert_group, topk_group, renormalize=True,
+                           routed_scaling_factor=1.0, scoring_func="sigmoid",
+                           num_fused_shared_experts=0, shared_expert_weight=1.0,
+                           expert_map=None, expert_counts=None, routed_experts=None,
+                           num_valid_tokens=None):
+    op = "fused_router_out"
+    num_experts = _check_router_gemm(op, hidden_states, weight)
+    topk = _check_out_columns(op, topk_ids, num_fused_shared_experts)
+    columns = topk_ids.shape[1]
+    num_tokens = hidden_states.shape[0]
+    logits = hidden_states.new_empty((num_tokens, num_experts), dtype=torch.float32)
+    _check_grouped_topk(op, logits, correction_bias, num_expert_group, topk_group, topk,
+                        scoring_func, logits_name="hidden_states")
+    _check_outputs(op, logits, topk_weights, topk_ids, columns, logits_name="hidden_states")
+    _check_options(op, logits, topk, num_fused_shared_experts, expert_map, expert_counts,
+                   routed_experts, num_valid_tokens, logits_name="hidden_states")
+    return None
 
 def _check_extent(op, arg, value):
     torch._check(value >= 0, _message("zero_tail.extent", op=op, arg=arg, value=value))

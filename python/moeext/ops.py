@@ -26,6 +26,7 @@ _call_biased_grouped_topk = _C.call_biased_grouped_topk
 _call_biased_grouped_topk_out = _C.call_biased_grouped_topk_out
 _call_router_gemm = _C.call_router_gemm
 _call_fused_router = _C.call_fused_router
+_call_fused_router_out = _C.call_fused_router_out
 _call_routing_weights = _C.call_routing_weights
 _call_zero_tail = _C.call_zero_tail
 _call_zero_tail_tracked = _C.call_zero_tail_tracked
@@ -433,6 +434,86 @@ def fused_router(
     )
     return weights, ids, logits if return_logits else None
 
+
+
+def fused_router_out(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    shared_expert_weight: float = 1.0,
+    expert_map: Optional[torch.Tensor] = None,
+    expert_counts: Optional[torch.Tensor] = None,
+    routed_experts: Optional[torch.Tensor] = None,
+    num_valid_tokens: Optional[torch.Tensor] = None,
+) -> None:
+    """In-place form of :func:`fused_router` writing into preallocated outputs, with the same
+    options: the router GEMM and the routing in one call, the logits kept inside.
+
+    ``topk`` is ``topk_ids.size(1) - num_fused_shared_experts``. ``topk_weights`` (float32)
+    and ``topk_ids`` (int32) are ``[num_tokens, topk + S]`` with contiguous columns and any
+    row stride, as for :func:`biased_grouped_topk_out`; what they hold afterwards equals
+    :func:`fused_router`'s results bit for bit. What the call writes (the outputs,
+    ``expert_counts``, ``routed_experts``) must not share memory with what it reads
+    (``hidden_states``, ``weight``, the bias, the options' inputs), with each other or with
+    itself. On invalid arguments nothing is written at all.
+
+    For decode loops that keep their routing buffers: on the CPU, making the two result
+    tensors and their Python objects is most of what :func:`fused_router` costs beyond the
+    GEMM at one token. There is no ``return_logits``: call :func:`fused_router` for them.
+
+    Records no gradient: in grad mode, a ``hidden_states``, ``weight`` or ``topk_weights``
+    that requires grad raises RuntimeError before anything is written. Bumps the autograd
+    version of both outputs, as torch's ``out=`` ops do.
+    """
+    if not _is_scripting() and not _is_dynamo_compiling():
+        out = _call_fused_router_out(
+            hidden_states,
+            weight,
+            correction_bias,
+            topk_weights,
+            topk_ids,
+            num_expert_group,
+            topk_group,
+            renormalize,
+            routed_scaling_factor,
+            scoring_func,
+            num_fused_shared_experts,
+            shared_expert_weight,
+            expert_map,
+            expert_counts,
+            routed_experts,
+            num_valid_tokens,
+        )
+        if out is not NotImplemented:
+            return
+        _check_tensors("fused_router_out", hidden_states=hidden_states, weight=weight,
+                       topk_weights=topk_weights, topk_ids=topk_ids)
+    torch.ops.moeext.fused_router_out(
+        hidden_states,
+        weight,
+        correction_bias,
+        topk_weights,
+        topk_ids,
+        num_expert_group,
+        topk_group,
+        renormalize,
+        routed_scaling_factor,
+        scoring_func,
+        num_fused_shared_experts,
+        shared_expert_weight,
+        expert_map,
+        expert_counts,
+        routed_experts,
+        num_valid_tokens,
+    )
 
 def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     """The router weight in the layout the CPU ``router_gemm`` reads fastest, made once.

@@ -16,6 +16,7 @@
 #include "torch/autograd_kernels.h"
 #include "torch/binding.h"
 #include "torch/direct_call.h"
+#include "torch/memory_overlap.h"
 #include "torch/router_gemm_common.h"
 #include "torch/routing_common.h"
 
@@ -102,6 +103,37 @@ at::Tensor unreturned_logits(Gpu, int64_t num_experts, const at::Tensor& like) {
 
 // ---- The op ------------------------------------------------------------------------------
 
+// The bytes a GEMM input covers: exact rows for a matrix, first to last byte for a prepacked
+// weight.
+RowBytes covered(const at::Tensor& t) {
+  if (t.dim() == 2) {
+    return rows_of(t.data_ptr(), t.size(0), t.stride(0), t.size(1), t.stride(1), t.itemsize());
+  }
+  int64_t span = t.numel() > 0 ? 1 : 0;
+  for (int64_t d = 0; d < t.dim() && span > 0; ++d) span += (t.size(d) - 1) * t.stride(d);
+  return rows_of(t.data_ptr(), 1, 0, span, 1, t.itemsize());
+}
+
+// The out= form's outputs against what its GEMM reads; against the routing's reads, the
+// options and each other, check_writes_apart.
+void check_outputs_apart_from_gemm(const BiasedGroupedTopkParams& p,
+                                   const at::Tensor& hidden_states, const at::Tensor& weight,
+                                   const char* op) {
+  const int64_t columns = p.topk + p.options.num_shared_experts;
+  const RowBytes weights =
+      rows_of(p.topk_weights, p.num_tokens, p.weights_row_stride, columns, 1, 4);
+  const RowBytes ids = rows_of(p.topk_ids, p.num_tokens, p.ids_row_stride, columns, 1, 4);
+  const RowBytes hidden = covered(hidden_states);
+  const RowBytes gate = covered(weight);
+  const char* clash = rows_overlap(weights, hidden) ? "topk_weights and hidden_states"
+                      : rows_overlap(ids, hidden)   ? "topk_ids and hidden_states"
+                      : rows_overlap(weights, gate) ? "topk_weights and weight"
+                      : rows_overlap(ids, gate)     ? "topk_ids and weight"
+                                                    : nullptr;
+  TORCH_CHECK(clash == nullptr, op, ": ", clash,
+              " share memory; what the call writes must be apart from what it reads");
+}
+
 template <typename Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
     const at::Tensor& hidden_states, const at::Tensor& weight,
@@ -113,13 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
     const std::optional<at::Tensor>& num_valid_tokens, bool return_logits) {
   constexpr const char* op = "fused_router";
   Device::check_device(hidden_states, op, "hidden_states");
-#if defined(MOEEXT_GPU_BACKEND)
-  if constexpr (std::is_same_v<Device, Gpu>) {
-    TORCH_CHECK(!is_prepacked(weight), op,
-                ": a prepacked weight (moeext.prepack_router_weight) is a CPU layout; on ",
-                hidden_states.device(), " pass the [num_experts, hidden_size] weight");
-  }
-#endif
+  check_weight_layout<Device>(hidden_states, weight, op);
   check_router_gemm(hidden_states, weight, std::nullopt, op);
   const int64_t num_tokens = hidden_states.size(0);
   // The logits the routing reads: router_gemm's fp32 ones, bit for bit.
@@ -151,10 +177,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
   return {topk_weights, topk_ids, logits};
 }
 
+// The out= form: the routing written into the caller's buffers (any row stride), the logits
+// kept inside. At decode sizes the two outputs' tensors, and their Python objects, are most
+// of what the allocating form costs beyond the GEMM on the CPU.
+template <typename Device>
+void fused_router_out(
+    const at::Tensor& hidden_states, const at::Tensor& weight,
+    const std::optional<at::Tensor>& correction_bias, const at::Tensor& topk_weights,
+    const at::Tensor& topk_ids, int64_t num_expert_group, int64_t topk_group, bool renormalize,
+    double routed_scaling_factor, c10::string_view scoring_func,
+    int64_t num_fused_shared_experts, double shared_expert_weight,
+    const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& expert_counts,
+    const std::optional<at::Tensor>& routed_experts,
+    const std::optional<at::Tensor>& num_valid_tokens) {
+  constexpr const char* op = "fused_router_out";
+  Device::check_device(hidden_states, op, "hidden_states");
+  check_weight_layout<Device>(hidden_states, weight, op);
+  check_router_gemm(hidden_states, weight, std::nullopt, op);
+  const int64_t topk = check_out_columns(topk_ids, num_fused_shared_experts, op);
+  const int64_t columns = topk_ids.size(1);
+  const int64_t num_tokens = hidden_states.size(0);
+  at::Tensor logits = routed_logits(Device{}, num_tokens, num_experts_of(weight),
+                                    /*returned=*/false, hidden_states);
+  const ScoringFunc scoring =
+      check_routing(logits, correction_bias, num_expert_group, topk_group, topk,
+                    as_std(scoring_func), op, "hidden_states");
+  check_output(topk_weights, logits, at::kFloat, columns, op, "topk_weights", "hidden_states");
+  check_output(topk_ids, logits, at::kInt, columns, op, "topk_ids", "hidden_states");
+  FusedRouterParams p;
+  p.routing = fill_routing_params(logits, correction_bias, topk_weights, topk_ids,
+                                  num_expert_group, topk_group, topk, renormalize,
+                                  routed_scaling_factor, scoring);
+  const OptionArgs options{num_fused_shared_experts, shared_expert_weight, expert_map,
+                           expert_counts, routed_experts, num_valid_tokens};
+  if (options.any()) p.routing.options = check_options(options, logits, topk, op, "hidden_states");
+  check_writes_apart(p.routing, /*outputs=*/true, op);
+  check_outputs_apart_from_gemm(p.routing, hidden_states, weight, op);
+  const at::Tensor hidden = with_contiguous_rows(hidden_states);
+  const at::Tensor gate = is_prepacked(weight) ? weight : with_contiguous_rows(weight);
+  p.gemm = fill_router_gemm_params(hidden, gate, logits);
+  launch(Device{}, p, hidden, gate, logits, op);
+}
+
 using Signature = decltype(fused_router<Cpu>);
+using OutSignature = decltype(fused_router_out<Cpu>);
 
 const c10::TypedOperatorHandle<Signature>& handle() {
   static const auto h = typed_op<Signature>("moeext::fused_router");
+  return h;
+}
+
+const c10::TypedOperatorHandle<OutSignature>& out_handle() {
+  static const auto h = typed_op<OutSignature>("moeext::fused_router_out");
   return h;
 }
 
@@ -216,6 +290,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router_autograd(
   return {stack[0].toTensor(), stack[1].toTensor(), returned_logits};
 }
 
+// The out= form records no gradient: where one was wanted it raises before anything is
+// written, as torch's out= ops do (and as biased_grouped_topk_out does).
+void fused_router_out_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& hidden_states, const at::Tensor& weight,
+    const std::optional<at::Tensor>& correction_bias, const at::Tensor& topk_weights,
+    const at::Tensor& topk_ids, int64_t num_expert_group, int64_t topk_group, bool renormalize,
+    double routed_scaling_factor, c10::string_view scoring_func,
+    int64_t num_fused_shared_experts, double shared_expert_weight,
+    const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& expert_counts,
+    const std::optional<at::Tensor>& routed_experts,
+    const std::optional<at::Tensor>& num_valid_tokens) {
+  if (at::GradMode::is_enabled()) {
+    const char* wanted = hidden_states.requires_grad() ? "hidden_states"
+                         : weight.requires_grad()      ? "weight"
+                         : topk_weights.requires_grad() ? "topk_weights"
+                                                        : nullptr;
+    TORCH_CHECK(wanted == nullptr, "fused_router_out: ", wanted,
+                " requires grad, but the out= form records no gradient (call fused_router "
+                "for differentiable weights, or call this under torch.no_grad())");
+  }
+  out_handle().redispatch(keys & c10::after_autograd_keyset, hidden_states, weight,
+                          correction_bias, topk_weights, topk_ids, num_expert_group, topk_group,
+                          renormalize, routed_scaling_factor, scoring_func,
+                          num_fused_shared_experts, shared_expert_weight, expert_map,
+                          expert_counts, routed_experts, num_valid_tokens);
+}
+
 // ---- Direct call -------------------------------------------------------------------------
 
 // The op's three results as the wrapper returns them: the logits None unless asked for.
@@ -237,20 +338,34 @@ const DirectCallRegistration kDirectCall{
     "plain Python types; returns (topk_weights, topk_ids, logits or None), or NotImplemented "
     "for anything else."};
 
+const DirectCallRegistration kDirectOutCall{
+    "call_fused_router_out", &DirectCall<OutSignature>::call<&out_handle, RouterGemmComputesMuch>,
+    "moeext.fused_router_out's direct call of the op: all sixteen arguments positionally, of "
+    "the plain Python types; returns None, or NotImplemented for anything else."};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moeext, CPU, m) {
   m.impl("fused_router", &fused_router<Cpu>);
+  m.impl("fused_router_out", &fused_router_out<Cpu>);
 }
 
 #if defined(MOEEXT_GPU_BACKEND)
 TORCH_LIBRARY_IMPL(moeext, CUDA, m) {
   m.impl("fused_router", &fused_router<Gpu>);
+  m.impl("fused_router_out", &fused_router_out<Gpu>);
 }
 #endif
 
 TORCH_LIBRARY_IMPL(moeext, Autograd, m) {
   m.impl("fused_router", &fused_router_autograd);
+  m.impl("fused_router_out", &fused_router_out_autograd);
+}
+
+// What the out= form writes into its arguments: its outputs and the options' buffers.
+TORCH_LIBRARY_IMPL(moeext, ADInplaceOrView, m) {
+  m.impl("fused_router_out",
+         &AutogradKernels<OutSignature>::bump_written<&out_handle, 3, 4, 13, 14>);
 }
 
 }  // namespace moeext::torch_glue
