@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (an H200 has about 15 minutes a task), about 7-8 minutes:
+#   1. .gpu-peers/device_run.sh: moeext built in place for this GPU, the engines' kernels
+#      built from .peer/, their comparison (bench_peers.py, --quick unless BENCH_ARGS says
+#      otherwise), moeext's GPU tests;
+#   2. benchmarks/python/bench_fused_router_peers.py: fused_router against every peer
+#      router GEMM + routing pair, with issue #53's verdicts;
+#   3. benchmarks/python/bench_cuda.py --quick;
+#   4. the AOTInductor package test's child (tests/test_compile.py) run alone under gdb, for
+#      the native stack of the SIGSEGV its loader died with on an H200 (python -X faulthandler
+#      where gdb is missing or may not trace).
+# It copies nothing: .gpu-peers/ (a copy of ../shared/gpu-peers) and .peer/ (the engines'
+# files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
+# time-boxed so the call returns with what it got; logs and tables go to $OUT.
+#
+#   DEVICE_RUN_S=300 FUSED_S=90 CUDA_BENCH_S=50 AOTI_S=120  the boxes, seconds
+#   SKIP_DEVICE_RUN=1   steps 2-4 only, on a machine still warm from a first call (the
+#                       in-place build and build-peers/ stay there between calls)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+OUT="${OUT:-$root/gpu-session-out}"
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+t0=$(date +%s)
+el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+if [ ! -f .gpu-peers/device_run.sh ]; then
+  echo "no .gpu-peers/ in $root: copy ../shared/gpu-peers there and carry it (docs/DEVELOPING.md)"
+  exit 2
+fi
+[ -d .peer ] || echo "no .peer/ in $root: no peer will build (see .gpu-peers/PEERS.md)"
+
+if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
+  # The baseline's full peer table exists (shared/gpu-peers/results); this run's pairs are
+  # timed in step 2, so the harness's own comparison runs its quick cases to leave time.
+  BENCH_ARGS="${BENCH_ARGS---quick}" BENCH_S="${BENCH_S:-120}" TESTS_S="${TESTS_S:-110}" \
+  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-300}" \
+    bash .gpu-peers/device_run.sh > "$OUT/device-run.log" 2>&1
+  el "device_run.sh: exit $? (log device-run.log)"
+  grep -E "^\[[0-9]+ s\]|^== |^build \(|BUILD FAILED|FAILED|ERROR|passed|failed" \
+    "$OUT/device-run.log" | cut -c1-200 | head -40
+fi
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+
+timeout -k 10 "${FUSED_S:-90}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+  --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
+el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
+if [ -f "$OUT/fused_router_peers.md" ]; then
+  sed -n '/^## Verdicts/,/^## Every pair/p' "$OUT/fused_router_peers.md" | head -30
+else
+  tail -25 "$OUT/fused-router-peers.log"
+fi
+
+timeout -k 10 "${CUDA_BENCH_S:-50}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
+  > "$OUT/bench-cuda-quick.log" 2>&1
+el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
+grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \
+  | cut -c1-160 | head -30 || tail -15 "$OUT/bench-cuda-quick.log"
+
+# The test's child process, standalone: the same function on the same device, with a compile
+# cache of its own so that no graph from another build is served to it. gdb prints the native
+# stack where the signal stops it; `continue` then hands the signal to faulthandler, which
+# prints the Python one.
+aoti="$(mktemp -d)"
+export TORCHINDUCTOR_CACHE_DIR="$aoti/inductor-cache"
+child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_compile; \
+test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
+traced=0
+if command -v gdb > /dev/null; then
+  timeout -k 10 "${AOTI_S:-120}" gdb -q -batch -ex "set pagination off" \
+    -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
+    --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
+    > "$OUT/aoti-gdb.log" 2>&1
+  el "AOTInductor child under gdb: exit $? (aoti-gdb.log)"
+  # gdb starts nothing where the container denies ptrace (or it was handed a wrapper script,
+  # as a pyenv shim is, hence sys.executable above).
+  grep -qE "ptrace|Operation not permitted|During startup program exited|No executable file" \
+    "$OUT/aoti-gdb.log" || traced=1
+  grep -E "AOTI child: ok|received signal|^#[0-9]+ |exited (normally|with code)|rror|^  File " \
+    "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
+fi
+if [ "$traced" = 0 ]; then
+  timeout -k 10 "${AOTI_S:-120}" "$PY" -X faulthandler -c "$child" \
+    > "$OUT/aoti-faulthandler.log" 2>&1
+  el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
+  tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
+fi
+rm -rf "$aoti"
+el "done; in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
