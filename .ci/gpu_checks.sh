@@ -4,8 +4,9 @@
 #      HIP headers that ship in the triton wheel, a dummy ROCm directory), warnings as errors,
 #      and no kernel spills to scratch (AMD's local memory; .ci/check_hip_scratch.py);
 #   2. the extension builds and links with MOEEXT_FORCE_CUDA=1 for the default architectures
-#      (sm_80, sm_90a, sm_100a) against this CPU-only torch, and no kernel spills to local
-#      memory (cuobjdump --dump-resource-usage);
+#      (sm_80, sm_90a, sm_100a) against this CPU-only torch, no kernel spills to local
+#      memory (cuobjdump --dump-resource-usage), and the kernels that may be launched with
+#      programmatic dependent launch wait before touching memory (cuobjdump -sass);
 #   3. the whole test suite passes against that build: import works, the CPU ops work, and
 #      the CUDA registrations are present (tests/test_build.py).
 set -euo pipefail
@@ -70,6 +71,17 @@ if [ -z "$CUOBJDUMP" ]; then
 fi
 SO="$(python -c 'import moeext._C as c; print(c.__file__)')"
 python .ci/check_resource_usage.py "$CUOBJDUMP" "$SO"
+# The SASS of the kernels launched with programmatic dependent launch: griddepcontrol.wait
+# before any global memory access on sm_90+, nothing of it on sm_80 (cuobjdump -sass runs
+# nvdisasm).
+if ! command -v nvdisasm > /dev/null; then
+  if [ ! -x "$TOOLS/nvdisasm/nvidia/cu13/bin/nvdisasm" ]; then
+    pip install --no-deps -q --target "$TOOLS/nvdisasm" nvidia-cuda-nvdisasm==13.5.37
+    chmod +x "$(find "$TOOLS/nvdisasm" -name nvdisasm -type f | head -1)"
+  fi
+  export PATH="$(dirname "$(find "$TOOLS/nvdisasm" -name nvdisasm -type f | head -1)"):$PATH"
+fi
+python .ci/check_grid_dependency.py --all "$CUOBJDUMP" "$SO"
 
 # ---- 3. The suite against the CUDA build ------------------------------------------------
 python -m pytest tests -q

@@ -9,6 +9,19 @@ Two times per function, both medians:
   eager   wall time per call launched from Python one after another, the device synced
           once per batch: at small sizes this is the host's launch cost.
 
+Launch modes, compared mode for mode: moeext's decode-path ops (routing, router GEMM, fused
+router) are timed with programmatic dependent launch (PDL, moeext.set_programmatic_dependent_launch)
+off and, where this GPU and build support it (sm_90+ code on a device of compute capability
+9.0+), on; each row names the mode moeext ran in. A baseline launched plainly (torch, cuBLAS,
+FlashInfer no-pdl, moeext's own two-call composition with PDL off) is compared with moeext
+PDL off, one launched with PDL (FlashInfer pdl, the composition with PDL on) with moeext PDL
+on; the vLLM and SGLang kernels launch as their engines decide (vLLM's with PDL on sm_90+ at
+decode sizes in the sources read), which cannot be switched from their Python APIs, so they
+get a row in each mode. A row "moeext no-pdl" shows what PDL alone changes. In the graph
+times, calls are captured back to back, so PDL overlaps each call's launch with the previous
+call's tail; a kernel of another library between two moeext calls would change that.
+--pdl off (or on) times one mode only.
+
 Baselines, measured in the same run on the same inputs:
   biased_grouped_topk  the pure-PyTorch grouped_topk (vLLM's CPU formulation, in
                        benchmarks/python/baselines.py), eager: the engines' fallback where
@@ -37,9 +50,11 @@ is skipped, its reason printed once. FlashInfer may JIT-compile its kernel on fi
 
     python benchmarks/python/bench_cuda.py [--quick] [--only grouped_topk,...] [--markdown]
                                            [--tokens 9,12,15] [--no-engines]
+                                           [--pdl both|off|on]
 """
 
 import argparse
+import contextlib
 import pathlib
 import statistics
 import sys
@@ -59,6 +74,9 @@ from moeext.presets import PRESETS  # noqa: E402
 
 L2_SPAN = 256 << 20  # bytes of distinct inputs a graph cycles through, well over any L2
 CALLS_PER_GRAPH = 64
+# The launch modes moeext's decode-path ops are timed in (main() narrows it to what the GPU
+# and build support and --pdl asks for).
+MODES = ["no-pdl", "pdl"]
 
 
 def graph_us(make_calls, reps=15, calls_per_graph=CALLS_PER_GRAPH):
@@ -117,27 +135,60 @@ class Table:
     def __init__(self):
         self.rows = []
 
-    def add(self, op, case, ours, baseline, theirs):
-        """ours / theirs: (graph_us, eager_us)."""
-        self.rows.append((op, case, ours, baseline, theirs))
-        print(f"{op:20s} {case:30s} moeext {ours[0]:9.2f} / {ours[1]:8.2f} us   "
-              f"{baseline:28s} {theirs[0]:9.2f} / {theirs[1]:8.2f} us   "
-              f"x{theirs[0] / ours[0]:6.2f} graph  x{theirs[1] / ours[1]:6.2f} eager", flush=True)
+    def add(self, op, case, ours, baseline, theirs, mode="no-pdl"):
+        """ours: {mode: (graph_us, eager_us)}, moeext in each mode it was timed in; theirs:
+        (graph_us, eager_us) of the baseline, launched in ``mode`` ("no-pdl", "pdl", or None
+        where the baseline's engine decides: then a row for each of moeext's modes). No row
+        where moeext was not timed in the baseline's mode."""
+        for m in ours:
+            if mode not in (None, m):
+                continue
+            mine = ours[m]
+            self.rows.append((op, case, m, mine, baseline, theirs))
+            print(f"{op:20s} {case:30s} moeext {m:6s} {mine[0]:9.2f} / {mine[1]:8.2f} us   "
+                  f"{baseline:28s} {theirs[0]:9.2f} / {theirs[1]:8.2f} us   "
+                  f"x{theirs[0] / mine[0]:6.2f} graph  x{theirs[1] / mine[1]:6.2f} eager",
+                  flush=True)
 
     def markdown(self):
-        lines = ["| op | case | moeext graph (us) | moeext eager (us) | baseline | "
+        lines = ["| op | case | moeext mode | moeext graph (us) | moeext eager (us) | baseline | "
                  "baseline graph (us) | baseline eager (us) | speed-up graph | speed-up eager |",
-                 "|---|---|---:|---:|---|---:|---:|---:|---:|"]
-        for op, case, ours, baseline, theirs in self.rows:
-            lines.append(f"| {op} | {case} | {ours[0]:.2f} | {ours[1]:.2f} | {baseline} | "
-                         f"{theirs[0]:.2f} | {theirs[1]:.2f} | {theirs[0] / ours[0]:.1f}x | "
-                         f"{theirs[1] / ours[1]:.1f}x |")
+                 "|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
+        for op, case, mode, ours, baseline, theirs in self.rows:
+            lines.append(f"| {op} | {case} | {mode} | {ours[0]:.2f} | {ours[1]:.2f} | "
+                         f"{baseline} | {theirs[0]:.2f} | {theirs[1]:.2f} | "
+                         f"{theirs[0] / ours[0]:.1f}x | {theirs[1] / ours[1]:.1f}x |")
         return "\n".join(lines)
 
 
 def both(make_calls, calls_per_graph=CALLS_PER_GRAPH, batch=50):
     return (graph_us(make_calls, calls_per_graph=calls_per_graph),
             eager_us(make_calls, batch=batch))
+
+
+@contextlib.contextmanager
+def launch_mode(mode):
+    previous = moeext.set_programmatic_dependent_launch(mode == "pdl")
+    try:
+        yield
+    finally:
+        moeext.set_programmatic_dependent_launch(previous)
+
+
+def per_mode(make_calls, **kwargs):
+    """moeext's calls timed in each of MODES: {mode: (graph_us, eager_us)}. The mode is set
+    while the graph is captured (it keeps it) and while the eager calls launch."""
+    times = {}
+    for mode in MODES:
+        with launch_mode(mode):
+            times[mode] = both(make_calls, **kwargs)
+    return times
+
+
+def pdl_alone(table, op, case, ours):
+    """A row of moeext with PDL on against moeext with it off."""
+    if "pdl" in ours and "no-pdl" in ours:
+        table.add(op, case, ours, "moeext no-pdl", ours["no-pdl"], mode="pdl")
 
 
 _skips_printed = set()
@@ -167,7 +218,8 @@ def engine_rows(table, op, case, ours, kernels, inputs, reference, mismatch):
             print(f"# {kernel.label} on {case}: not timed, {type(exc).__name__}: {exc}",
                   flush=True)
             continue
-        table.add(op, case, ours, label, times)
+        mode = None if kernel.pdl is None else "pdl" if kernel.pdl else "no-pdl"
+        table.add(op, case, ours, label, times, mode=mode)
 
 
 def grouped_topk(table, quick, tokens=None, engines=None):
@@ -188,8 +240,9 @@ def grouped_topk(table, quick, tokens=None, engines=None):
             def calls(fn):
                 return lambda: [lambda x=x: fn(x, bias, *rest) for x in logits]
 
-            ours = both(calls(moeext.biased_grouped_topk))
+            ours = per_mode(calls(moeext.biased_grouped_topk))
             case = f"{name} T={num_tokens}"
+            pdl_alone(table, "biased_grouped_topk", case, ours)
             table.add("biased_grouped_topk", case, ours, "torch-native grouped_topk",
                       both(calls(torch_native_grouped_topk)))
             if engines is not None:
@@ -224,7 +277,8 @@ def router_gemm(table, quick, tokens=None, engines=None):
                 return lambda: [lambda xw=xw: fn(*xw) for xw in xws]
 
             case = f"E={num_experts} H={hidden} T={num_tokens}"
-            ours = both(calls(lambda x, w, w32: moeext.router_gemm(x, w)))
+            ours = per_mode(calls(lambda x, w, w32: moeext.router_gemm(x, w)))
+            pdl_alone(table, "router_gemm fp32", case, ours)
             linear_bf16 = both(calls(lambda x, w, w32: F.linear(x, w)))
             table.add("router_gemm fp32", case, ours, "F.linear bf16 (bf16 out)", linear_bf16)
             table.add("router_gemm fp32", case, ours, "F.linear fp32, w pre-upcast",
@@ -239,7 +293,7 @@ def router_gemm(table, quick, tokens=None, engines=None):
                             [(x, w) for x, w, _ in xws], moeext.router_gemm(*xws[0][:2]),
                             logits_mismatch)
             table.add("router_gemm bf16", case,
-                      both(calls(lambda x, w, w32: moeext.router_gemm(x, w, torch.bfloat16))),
+                      per_mode(calls(lambda x, w, w32: moeext.router_gemm(x, w, torch.bfloat16))),
                       "F.linear bf16 (bf16 out)", linear_bf16)
 
 
@@ -271,12 +325,17 @@ def fused_router(table, quick, tokens=None, engines=None):
                 return lambda: [lambda xw=xw: fn(*xw) for xw in xws]
 
             case = f"{name} H={hidden} T={num_tokens}"
-            ours = both(calls(lambda x, w: moeext.fused_router(x, w, bias, *rest)))
-            table.add("fused_router", case, ours, "router_gemm + biased_grouped_topk",
-                      both(calls(lambda x, w: moeext.biased_grouped_topk(
-                          moeext.router_gemm(x, w), bias, *rest))))
-            table.add("fused_router", case, ours, "router_gemm alone",
-                      both(calls(lambda x, w: moeext.router_gemm(x, w))))
+            ours = per_mode(calls(lambda x, w: moeext.fused_router(x, w, bias, *rest)))
+            pdl_alone(table, "fused_router", case, ours)
+            # moeext's own calls, in the same mode as the fused one.
+            pair = per_mode(calls(lambda x, w: moeext.biased_grouped_topk(
+                moeext.router_gemm(x, w), bias, *rest)))
+            gemm = per_mode(calls(lambda x, w: moeext.router_gemm(x, w)))
+            for mode in MODES:
+                table.add("fused_router", case, ours, "router_gemm + biased_grouped_topk",
+                          pair[mode], mode=mode)
+                table.add("fused_router", case, ours, "router_gemm alone", gemm[mode],
+                          mode=mode)
             if engines is not None:
                 engine_rows(table, "fused_router", case, ours,
                             engines.fused_pair(p, bias, hidden, num_tokens), xws,
@@ -290,10 +349,10 @@ def zero_tail(table, quick):
     fill = both(lambda: [lambda: buf.fill_(0)])
     for tail in (0.0, 0.01, 0.10, 1.0):
         new_extent = n - int(n * tail)
-        ours = both(lambda: [lambda: moeext.zero_tail_(buf, new_extent, n)])
+        ours = {"no-pdl": both(lambda: [lambda: moeext.zero_tail_(buf, new_extent, n)])}
         table.add("zero_tail_", f"{mib} MiB int32, {tail:.0%} tail", ours, "full fill_(0)", fill)
     state = torch.zeros(1, dtype=torch.int64, device="cuda")
-    ours = both(lambda: [lambda: moeext.zero_tail_tracked_(buf, state, 0)])
+    ours = {"no-pdl": both(lambda: [lambda: moeext.zero_tail_tracked_(buf, state, 0)])}
     table.add("zero_tail_tracked_", f"{mib} MiB int32, no-op", ours, "full fill_(0)", fill)
 
 
@@ -311,7 +370,8 @@ def shuffles(table, quick):
     clone = both(lambda: [lambda: w.clone()], **BIG)
     for gate_up in (False, True):
         case = f"{experts}x[{n},{k_bytes}] B" + (" gate_up" if gate_up else "")
-        ours = both(lambda: [lambda: moeext.shuffle_weight(w, gate_up=gate_up)], **BIG)
+        ours = {"no-pdl": both(lambda: [lambda: moeext.shuffle_weight(w, gate_up=gate_up)],
+                               **BIG)}
         table.add("shuffle_weight", case, ours, "AITER view/permute/contiguous",
                   both(lambda: [lambda: aiter_shuffle_weight(w, gate_up)], **BIG))
         table.add("shuffle_weight", case, ours, "clone() of the weight", clone)
@@ -319,7 +379,7 @@ def shuffles(table, quick):
     for gate_up in (False, True):
         kw = dict(gate_up=gate_up, num_experts=experts if gate_up else None)
         case = f"[{experts * n},224]" + (" gate_up" if gate_up else "")
-        ours = both(lambda: [lambda: moeext.e8m0_shuffle(scales, **kw)], **BIG)
+        ours = {"no-pdl": both(lambda: [lambda: moeext.e8m0_shuffle(scales, **kw)], **BIG)}
         table.add("e8m0_shuffle", case, ours, "AITER view/permute/contiguous",
                   both(lambda: [lambda: aiter_e8m0_shuffle(scales, **kw)], **BIG))
         table.add("e8m0_shuffle", case, ours, "clone() of the scales", clone)
@@ -337,6 +397,9 @@ def main(argv=None):
                              "in place of their defaults (e.g. 9,12,15)")
     parser.add_argument("--no-engines", action="store_true",
                         help="leave out the engines' kernels (vllm, flashinfer, sgl_kernel)")
+    parser.add_argument("--pdl", choices=("both", "off", "on"), default="both",
+                        help="time moeext's decode-path ops with programmatic dependent launch "
+                             "off, on, or both (default; on needs sm_90+)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or "cuda" not in moeext.build_info()["backends"]:
         raise SystemExit("bench_cuda.py needs a CUDA GPU and a moeext built with CUDA")
@@ -344,6 +407,11 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(0)
     print(f"# moeext on {props.name} ({props.multi_processor_count} SMs), torch "
           f"{torch.__version__}, CUDA {torch.version.cuda}; graph / eager us per call")
+    MODES[:] = {"both": ["no-pdl", "pdl"], "off": ["no-pdl"], "on": ["pdl"]}[args.pdl]
+    if "pdl" in MODES and not moeext._C.programmatic_dependent_launch_supported():
+        print("# pdl: this GPU or build runs no sm_90+ code, moeext is timed without PDL only")
+        MODES[:] = ["no-pdl"]
+    print(f"# moeext launch modes timed: {', '.join(MODES)}")
     only = set(args.only.split(",")) if args.only else None
     engines = None
     if not args.no_engines and (only is None

@@ -11,7 +11,8 @@ Used only where the package imports (nothing here imports an engine at module le
 
 Each kernel comes as a ``Kernel``: a label, a callable that runs one call the way the engine
 calls it (outputs allocated per call where the engine's API allocates or its callers do), or,
-where the kernel does not take the case, the reason. The engines' sources were read at the
+where the kernel does not take the case, the reason, and its launch mode where the caller sets
+it (FlashInfer's ``launch_with_pdl``). The engines' sources were read at the
 commits named next to each call; a signature that has moved on since makes that kernel skip
 with a reason rather than be called wrongly.
 """
@@ -32,6 +33,10 @@ class Kernel(NamedTuple):
     label: str
     fn: Optional[Callable]  # one call; None when the kernel does not take the case
     skip: str = ""          # why it does not
+    # Whether it launches with programmatic dependent launch (PDL) as called here; None where
+    # its engine decides and its Python API cannot switch it (bench_cuda then compares it
+    # with moeext in both modes).
+    pdl: Optional[bool] = None
 
 
 def _takes(fn, name):
@@ -160,7 +165,7 @@ class Engines:
                     fused_topk_deepseek(x, bias, n_group, topk_group, topk, scale, w, ids,
                                         launch_with_pdl=pdl)
                     return w, ids
-                kernels.append(Kernel(label, fi_route))
+                kernels.append(Kernel(label, fi_route, pdl=pdl))
 
         sgl = self.modules.get("sgl_kernel")
         if sgl is not None:

@@ -155,4 +155,57 @@ __device__ __forceinline__ float to_float(fp16 x) {
 int warp_size_of_current_device();
 int multiprocessor_count_of_current_device();
 
+// ---- Programmatic dependent launch (moeext/common.h) --------------------------------------
+// A kernel launched with launch_dependent() may start while the grid before it on the stream
+// is still running, so it calls wait_for_prior_grids() before its first global memory access
+// of any kind: a read of what that grid writes, and a write over what it reads or writes too.
+// Both device functions are CUDA sm_90+ instructions; on older targets and on HIP they compile
+// to nothing, and without the launch attribute they return at once, so one kernel instance
+// serves both modes.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if !defined(MOEEXT_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next grid on the stream be scheduled once every block of this one has called it
+// (or exited). Called first thing: the next grid's own wait_for_prior_grids() still waits for
+// this whole grid to finish and its writes to be visible, so an early call only lets its
+// launch and prologue overlap this grid's work.
+__device__ __forceinline__ void allow_dependent_grids() {
+#if !defined(MOEEXT_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), with programmatic stream
+// serialization where the setting is on and gpu_programmatic_dependent_launch_supported().
+// Only for kernels that call wait_for_prior_grids() before touching global memory.
+template <typename... Params, typename... Args>
+GpuError launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                          Stream stream, Args... args) {
+#if !defined(MOEEXT_HIP)
+  if (gpu_programmatic_dependent_launch() && gpu_programmatic_dependent_launch_supported()) {
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    const Error e = cudaLaunchKernelEx(&config, kernel, args...);
+    if (e != kSuccess) {
+      (void)last_error();  // reported here, not again by the next launch
+      return error_string(e);
+    }
+    return launch_status();
+  }
+#endif
+  kernel<<<grid, block, smem_bytes, stream>>>(args...);
+  return launch_status();
+}
+
 }  // namespace moeext::gpu

@@ -72,6 +72,11 @@ template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     fused_router_kernel(const FusedArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE && routes_in_one_launch(kWarpSize, V)) {
+    // Before the completion counter too: the grid before this one on the stream may be
+    // another fused_router launch, which shares the stream's counter and whose last block may
+    // still be reading logits where this one writes its own.
+    gpu::wait_for_prior_grids();
+    gpu::allow_dependent_grids();
     gpu::router_gemm::compute_logits_block<kTokens, kWarpSize, gpu::bf16, float>(
         args.gemm, int(gpu::grouped_topk::block_index()));
     if (!finished_last(args.counter, args.blocks)) return;
@@ -206,9 +211,8 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
           : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options);
   if (kernel == nullptr) return "fused_router_gpu: no kernel instance for these params";
   const int64_t smem_bytes = gpu::grouped_topk::fast_smem_bytes(plan, r.num_experts, warps);
-  kernel<<<dim3(args.blocks), dim3(kThreads), size_t(smem_bytes), gpu::as_stream(stream)>>>(
-      args);
-  return gpu::launch_status();
+  return gpu::launch_dependent(kernel, dim3(args.blocks), dim3(kThreads), size_t(smem_bytes),
+                              gpu::as_stream(stream), args);
 }
 
 unsigned* fused_router_gpu_counter(void* stream) {

@@ -35,9 +35,8 @@ using Kernel = void (*)(KernelArgs);
 
 GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, void* stream,
                 KernelArgs args) {
-  kernel<<<dim3(unsigned(blocks)), dim3(unsigned(threads)), size_t(smem_bytes),
-           as_stream(stream)>>>(args);
-  return launch_status();
+  return launch_dependent(kernel, dim3(unsigned(blocks)), dim3(unsigned(threads)),
+                          size_t(smem_bytes), as_stream(stream), args);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -237,6 +237,8 @@ template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 __global__ void __launch_bounds__(kGeneralThreads, kMinBlocksPerMultiprocessor)
     grouped_topk_block_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
+    wait_for_prior_grids();
+    allow_dependent_grids();
     route_tokens_per_block<kWarpSize, LogitT, BiasT, kOptions>(args);
   } else {
     (void)args;  // not this target's warp width: never launched here

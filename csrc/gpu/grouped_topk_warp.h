@@ -310,6 +310,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock,
                                   warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
+    wait_for_prior_grids();
+    allow_dependent_grids();
     route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions>(args);
   } else {
     (void)args;  // not this target's warp width: never launched here

@@ -37,6 +37,8 @@ template <int kTokens, int kWarpSize, typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     router_gemm_kernel(RouterGemmParams p) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
+    gpu::wait_for_prior_grids();
+    gpu::allow_dependent_grids();
     compute_logits_block<kTokens, kWarpSize, In, Out>(p, int(blockIdx.x));
   }
 }
@@ -44,8 +46,8 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
 template <int kTokens, int kWarpSize, typename In, typename Out>
 GpuError launch(const RouterGemmParams& p, gpu::Stream stream) {
   const unsigned blocks = unsigned(gpu::router_gemm_blocks(kTokens, p.num_experts));
-  router_gemm_kernel<kTokens, kWarpSize, In, Out><<<blocks, kThreads, 0, stream>>>(p);
-  return gpu::launch_status();
+  return gpu::launch_dependent(router_gemm_kernel<kTokens, kWarpSize, In, Out>, dim3(blocks),
+                              dim3(kThreads), 0, stream, p);
 }
 
 template <int kWarpSize, typename In, typename Out>

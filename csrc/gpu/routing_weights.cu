@@ -149,6 +149,8 @@ __global__ void __launch_bounds__(kGeneralThreads, kMinBlocksPerMultiprocessor)
     routing_weights_kernel(const RoutingWeightsParams p, int64_t token_step,
                            int experts_per_lane) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
+    wait_for_prior_grids();
+    allow_dependent_grids();
     weigh_rows<kWarpSize, LogitT, IdT>(p, token_step, experts_per_lane);
   } else {
     (void)p;  // not this target's warp width: never launched here
@@ -211,10 +213,9 @@ GpuError routing_weights_gpu(const RoutingWeightsParams& params, void* stream) {
   const int64_t blocks = params.num_tokens < sms * 8 ? params.num_tokens : sms * 8;
   const WeightsKernel kernel = warp_size == 64 ? kernel_for<64>(params) : kernel_for<32>(params);
   if (kernel == nullptr) return "routing_weights: unknown gating_output or topk_ids dtype";
-  kernel<<<dim3(unsigned(blocks)), dim3(unsigned(kGeneralThreads)),
-           size_t(words) * sizeof(uint32_t), gpu::as_stream(stream)>>>(params, blocks,
-                                                                        experts_per_lane);
-  return gpu::launch_status();
+  return gpu::launch_dependent(kernel, dim3(unsigned(blocks)), dim3(unsigned(kGeneralThreads)),
+                              size_t(words) * sizeof(uint32_t), gpu::as_stream(stream), params,
+                              blocks, experts_per_lane);
 }
 
 }  // namespace moeext

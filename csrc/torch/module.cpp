@@ -1,6 +1,7 @@
 // moeext._C: importing it loads the TORCH_LIBRARY registrations of this shared library. The
-// functions here are about the build and the CPU paths, the check messages the fakes share
-// with the kernels, and the direct calls of the per-step ops' wrappers (ops/*.cpp).
+// functions here are about the build, the CPU paths and the GPU launch mode, the check
+// messages the fakes share with the kernels, and the direct calls of the per-step ops'
+// wrappers (ops/*.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -88,6 +89,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"),
       "Forces the CPU kernels onto one instruction-set path ('portable', 'avx2', 'avx512', 'avx512bf16') "
       "or back to the best available ('auto').");
+  m.def("programmatic_dependent_launch",
+        [] { return moeext::gpu_programmatic_dependent_launch(); },
+        "Whether the decode-path GPU kernels launch with programmatic dependent launch.");
+  m.def("set_programmatic_dependent_launch",
+        [](bool enabled) { return moeext::set_gpu_programmatic_dependent_launch(enabled); },
+        py::arg("enabled"), "Sets whether the decode-path GPU kernels launch with programmatic\n"
+        "dependent launch; returns the previous setting.");
+  m.def("programmatic_dependent_launch_supported", [] {
+#if defined(MOEEXT_GPU_BACKEND)
+    return moeext::gpu_programmatic_dependent_launch_supported();
+#else
+    return false;
+#endif
+  }, "Whether kernels launched now on the current GPU would use programmatic dependent launch\n"
+     "when it is on (a CUDA device of compute capability 9.0+ running this build's sm_90+ code).");
   m.def("check_messages", [] {
     py::dict messages;
     for (const auto* message : moeext::torch_glue::registered_check_messages()) {

@@ -21,9 +21,11 @@ from .ops import (
     fused_router,
     fused_router_out,
     prepack_router_weight,
+    programmatic_dependent_launch,
     router_gemm,
     routing_weights,
     set_cpu_isa,
+    set_programmatic_dependent_launch,
     zero_tail_,
     zero_tail_tracked_,
     shuffle_weight,
@@ -31,6 +33,7 @@ from .ops import (
     e8m0_shuffle,
     e8m0_unshuffle,
 )
+from .ops import _programmatic_dependent_launch_from_environment
 from .buffers import PersistentBuffers
 
 __version__ = "0.1.0"
@@ -52,6 +55,8 @@ def _warn_if_the_forced_cpu_isa_is_ignored() -> None:
 
 
 _warn_if_the_forced_cpu_isa_is_ignored()
+set_programmatic_dependent_launch(
+    _programmatic_dependent_launch_from_environment(os.environ.get("MOEEXT_ENABLE_PDL")))
 
 __all__ = [
     "PersistentBuffers",
@@ -66,10 +71,12 @@ __all__ = [
     "nn",
     "prepack_router_weight",
     "presets",
+    "programmatic_dependent_launch",
     "reference",
     "router_gemm",
     "routing_weights",
     "set_cpu_isa",
+    "set_programmatic_dependent_launch",
     "zero_tail_",
     "zero_tail_tracked_",
     "shuffle_weight",

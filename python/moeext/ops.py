@@ -48,9 +48,11 @@ __all__ = [
     "cpu_isa",
     "fused_router",
     "prepack_router_weight",
+    "programmatic_dependent_launch",
     "router_gemm",
     "routing_weights",
     "set_cpu_isa",
+    "set_programmatic_dependent_launch",
     "zero_tail_",
     "zero_tail_tracked_",
     "shuffle_weight",
@@ -712,3 +714,52 @@ def set_cpu_isa(isa: str) -> None:
     still correct, but the whole bit-equal to neither path's).
     """
     _C.set_cpu_isa(isa)
+
+
+def programmatic_dependent_launch() -> bool:
+    """Whether the GPU kernels of the decode path launch with programmatic dependent launch
+    (PDL); see :func:`set_programmatic_dependent_launch`."""
+    return _C.programmatic_dependent_launch()
+
+
+def set_programmatic_dependent_launch(enabled: bool) -> bool:
+    """Turns programmatic dependent launch (PDL) of moeext's decode-path GPU kernels on or
+    off for the whole process; returns the previous setting.
+
+    Off by default; the environment variable ``MOEEXT_ENABLE_PDL`` sets the initial value when
+    moeext is imported (``1`` on, ``0`` or unset or empty off; any other value makes the import
+    raise a ValueError naming the variable).
+
+    When on, the kernels of ``biased_grouped_topk(_out)``, ``router_gemm``, ``fused_router``
+    and ``routing_weights`` are launched with CUDA's programmatic stream serialization, as
+    vLLM and FlashInfer launch theirs: a kernel may be scheduled while the kernel before it on
+    the stream is still running, and it waits for that kernel's results before its first
+    access to global memory. What overlaps is the launch latency between the two kernels;
+    results are bit for bit those of a plain launch. It takes effect only on a CUDA device of
+    compute capability 9.0 or newer that runs this build's sm_90+ code (``sm_90a`` and
+    ``sm_100a`` in the default build; another device runs the sm_80 code with plain launches);
+    on older GPUs, on ROCm and on the CPU the setting changes nothing. Other ops (the shuffles,
+    ``zero_tail_``) and shapes that go to cuBLAS always launch plainly.
+
+    The setting is read on the host each time an op launches a kernel, so a CUDA graph keeps
+    the mode that was on while it was captured, whatever is set when it is replayed; to
+    compare both modes, capture one graph in each. ``torch.compile`` sees the ops as opaque
+    calls: their schemas and fakes are the same in both modes, and a compiled function
+    launches in the mode set when it runs (or, under CUDA graphs, when it was captured).
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError("set_programmatic_dependent_launch: enabled must be a bool, got "
+                        f"{type(enabled).__name__}")
+    return _C.set_programmatic_dependent_launch(enabled)
+
+
+def _programmatic_dependent_launch_from_environment(value: Optional[str]) -> bool:
+    """The initial PDL setting from the value of ``MOEEXT_ENABLE_PDL`` (None when unset)."""
+    # Empty counts as unset, as `MOEEXT_ENABLE_PDL= python ...` means; a typo fails loudly
+    # at import rather than at the first op, which may run inside a graph capture.
+    if value is None or value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"MOEEXT_ENABLE_PDL must be '1' (programmatic dependent launch on) or "
+                     f"'0' (off, the default), got {value!r}")

@@ -2,6 +2,7 @@
 // the C++ benchmark binary both fill these in.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 // Functions the host and the GPU kernels share (key packing, index arithmetic) are marked
@@ -55,5 +56,37 @@ bool set_cpu_isa(CpuIsa isa);
 const char* cpu_isa_name(CpuIsa isa);
 // Whether this binary has the path and this CPU (and OS) runs it.
 bool cpu_isa_supported(CpuIsa isa);
+
+// Programmatic dependent launch (PDL) of the decode-path GPU kernels (routing, router GEMM,
+// fused router, routing_weights): off unless set. When on, the *_gpu launchers of those
+// kernels launch them so that each may start while the kernel before it on the stream is still
+// running (CUDA's programmatic stream serialization); each kernel then waits for that kernel's
+// results before its first global memory access, so results are the same bits either way.
+// It takes effect on CUDA devices of compute capability 9.0 or newer that run this build's
+// sm_90+ code (gpu_programmatic_dependent_launch_supported); elsewhere, and always on HIP, the
+// launch is the plain one. Each launcher reads the setting when it launches: a CUDA graph
+// keeps the mode that was set while it was captured. A process-wide setting rather than a
+// field of each params struct, so that the torch ops take no new argument (their schemas,
+// fakes and traced graphs are the same in both modes) and one switch covers every op.
+namespace detail {
+// One flag per binary: an inline function's static is a single object wherever the header is
+// included (the kernel library, the torch glue and the GPU launchers all link into one module).
+inline std::atomic<bool>& programmatic_dependent_launch_flag() {
+  static std::atomic<bool> enabled{false};
+  return enabled;
+}
+}  // namespace detail
+
+inline bool gpu_programmatic_dependent_launch() {
+  return detail::programmatic_dependent_launch_flag().load(std::memory_order_relaxed);
+}
+// Sets the mode; returns the previous one.
+inline bool set_gpu_programmatic_dependent_launch(bool enabled) {
+  return detail::programmatic_dependent_launch_flag().exchange(enabled,
+                                                               std::memory_order_relaxed);
+}
+// Whether kernels launched now on the current GPU device would use PDL if it were on. Defined
+// by GPU builds only (csrc/gpu/device.cu).
+bool gpu_programmatic_dependent_launch_supported();
 
 }  // namespace moeext
