@@ -31,6 +31,8 @@ Baselines, measured in the same run on the same inputs:
                        torch.mm(..., out_dtype=float32) where this torch has it
   fused_router         the two calls it fuses (router_gemm then biased_grouped_topk), and
                        router_gemm alone
+  fused_router_out     router_gemm then biased_grouped_topk_out into the same kept buffers,
+                       and router_gemm alone
   zero_tail_           the full fill_(0) it replaces
   shuffles             AITER's view/permute/contiguous formulations (baselines.py, one
                        copy each), and a clone() of the same bytes (the bandwidth bound)
@@ -340,6 +342,23 @@ def fused_router(table, quick, tokens=None, engines=None):
                 engine_rows(table, "fused_router", case, ours,
                             engines.fused_pair(p, bias, hidden, num_tokens), xws,
                             moeext.fused_router(*xws[0], bias, *rest)[:2], routing_mismatch)
+            # The out= forms into buffers kept across calls, as a decode step keeps them: no
+            # allocation in either (eager time), the same kernels (graph time).
+            weights = torch.empty(num_tokens, p.topk, device="cuda")
+            ids = torch.empty(num_tokens, p.topk, dtype=torch.int32, device="cuda")
+            out_rest = rest[:2] + rest[3:]
+            moeext.fused_router_out(*xws[0], bias, weights, ids, *out_rest)
+            expected = moeext.fused_router(*xws[0], bias, *rest)
+            assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+            ours_out = per_mode(calls(lambda x, w: moeext.fused_router_out(
+                x, w, bias, weights, ids, *out_rest)))
+            pair_out = per_mode(calls(lambda x, w: moeext.biased_grouped_topk_out(
+                moeext.router_gemm(x, w), bias, weights, ids, *out_rest)))
+            for mode in MODES:
+                table.add("fused_router_out", case, ours_out,
+                          "router_gemm + biased_grouped_topk_out", pair_out[mode], mode=mode)
+                table.add("fused_router_out", case, ours_out, "router_gemm alone", gemm[mode],
+                          mode=mode)
 
 
 def zero_tail(table, quick):
