@@ -5,16 +5,18 @@
 #      otherwise), moeext's GPU tests;
 #   2. benchmarks/python/bench_fused_router_peers.py: fused_router against every peer
 #      router GEMM + routing pair, with issue #53's verdicts;
-#   3. benchmarks/python/bench_cuda.py --quick;
-#   4. the AOTInductor package test's child (tests/test_compile.py) run alone under gdb, for
+#   3. benchmarks/python/bench_cuda.py --quick (moeext with PDL off and on);
+#   4. the decode ops' GPU tests again with programmatic dependent launch on
+#      (MOEEXT_ENABLE_PDL=1; device_run.sh ran them with it off);
+#   5. the AOTInductor package test's child (tests/test_compile.py) run alone under gdb, for
 #      the native stack of the SIGSEGV its loader died with on an H200 (python -X faulthandler
 #      where gdb is missing or may not trace).
 # It copies nothing: .gpu-peers/ (a copy of ../shared/gpu-peers) and .peer/ (the engines'
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=300 FUSED_S=90 CUDA_BENCH_S=50 AOTI_S=120  the boxes, seconds
-#   SKIP_DEVICE_RUN=1   steps 2-4 only, on a machine still warm from a first call (the
+#   DEVICE_RUN_S=290 FUSED_S=85 CUDA_BENCH_S=50 PDL_S=75 AOTI_S=90  the boxes, seconds (590 in all)
+#   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
   # The baseline's full peer table exists (shared/gpu-peers/results); this run's pairs are
   # timed in step 2, so the harness's own comparison runs its quick cases to leave time.
   BENCH_ARGS="${BENCH_ARGS---quick}" BENCH_S="${BENCH_S:-120}" TESTS_S="${TESTS_S:-110}" \
-  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-300}" \
+  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-290}" \
     bash .gpu-peers/device_run.sh > "$OUT/device-run.log" 2>&1
   el "device_run.sh: exit $? (log device-run.log)"
   grep -E "^\[[0-9]+ s\]|^== |^build \(|BUILD FAILED|FAILED|ERROR|passed|failed" \
@@ -44,7 +46,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
 fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout -k 10 "${FUSED_S:-90}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+timeout -k 10 "${FUSED_S:-85}" "$PY" benchmarks/python/bench_fused_router_peers.py \
   --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
 el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
 if [ -f "$OUT/fused_router_peers.md" ]; then
@@ -59,6 +61,16 @@ el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
 grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \
   | cut -c1-160 | head -30 || tail -15 "$OUT/bench-cuda-quick.log"
 
+# PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
+# (test_programmatic_launch.py says whether it took effect on this device).
+MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-75}" "$PY" -m pytest -q -p no:cacheprovider -x \
+  tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
+  tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py \
+  -k "cuda or programmatic" \
+  > "$OUT/pdl-tests.log" 2>&1
+el "GPU tests with MOEEXT_ENABLE_PDL=1: exit $? (pdl-tests.log)"
+tail -5 "$OUT/pdl-tests.log" | cut -c1-200
+
 # The test's child process, standalone: the same function on the same device, with a compile
 # cache of its own so that no graph from another build is served to it. gdb prints the native
 # stack where the signal stops it; `continue` then hands the signal to faulthandler, which
@@ -69,7 +81,7 @@ child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_c
 test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
 traced=0
 if command -v gdb > /dev/null; then
-  timeout -k 10 "${AOTI_S:-120}" gdb -q -batch -ex "set pagination off" \
+  timeout -k 10 "${AOTI_S:-90}" gdb -q -batch -ex "set pagination off" \
     -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
     --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
     > "$OUT/aoti-gdb.log" 2>&1
@@ -82,7 +94,7 @@ if command -v gdb > /dev/null; then
     "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
 fi
 if [ "$traced" = 0 ]; then
-  timeout -k 10 "${AOTI_S:-120}" "$PY" -X faulthandler -c "$child" \
+  timeout -k 10 "${AOTI_S:-90}" "$PY" -X faulthandler -c "$child" \
     > "$OUT/aoti-faulthandler.log" 2>&1
   el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
   tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
