@@ -5,7 +5,8 @@
 #      otherwise), moeext's GPU tests;
 #   2. benchmarks/python/bench_fused_router_peers.py: fused_router against every peer
 #      router GEMM + routing pair, with issue #53's verdicts;
-#   3. benchmarks/python/bench_cuda.py --quick (moeext with PDL off and on);
+#   3. benchmarks/python/bench_cuda.py --quick: the routing options' overhead, the fused
+#      router's out= form and routing, moeext with PDL off and on (rows print as timed);
 #   4. the decode ops' GPU tests again with programmatic dependent launch on
 #      (MOEEXT_ENABLE_PDL=1; device_run.sh ran them with it off);
 #   5. the AOTInductor package test's child (tests/test_compile.py) run alone under gdb, for
@@ -56,6 +57,7 @@ else
 fi
 
 timeout -k 10 "${CUDA_BENCH_S:-50}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
+  --only routing_options,fused_router,grouped_topk \
   > "$OUT/bench-cuda-quick.log" 2>&1
 el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
 grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \

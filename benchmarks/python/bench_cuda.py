@@ -26,6 +26,8 @@ Baselines, measured in the same run on the same inputs:
   biased_grouped_topk  the pure-PyTorch grouped_topk (vLLM's CPU formulation, in
                        benchmarks/python/baselines.py), eager: the engines' fallback where
                        no fused kernel takes the shape, not their fused CUDA kernels
+  routing +<option>    plain biased_grouped_topk: each option of docs/SPEC.md §6 alone, and all
+                       of them (issue #52's overhead)
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
@@ -253,6 +255,52 @@ def grouped_topk(table, quick, tokens=None, engines=None):
                             moeext.biased_grouped_topk(logits[0], bias, *rest), routing_mismatch)
 
 
+def routing_options(table, quick, tokens=None):
+    """docs/SPEC.md §6's options on the GPU (issue #52): each one alone and all together,
+    against plain routing in the same mode. Counts accumulate over the timed calls; the
+    record has a row per token."""
+    presets = ["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"]
+    tokens = tokens or ([1, 4096] if quick else [1, 64, 4096])
+    for name in presets:
+        p = PRESETS[name]
+        rest = (p.num_expert_group, p.topk_group, p.topk, p.renormalize,
+                p.routed_scaling_factor, p.scoring_func)
+        g = torch.Generator(device="cuda").manual_seed(p.num_experts)
+        bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
+        for num_tokens in tokens:
+            sets = input_sets(num_tokens * p.num_experts * 2)
+            logits = [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g)
+                      .bfloat16() for _ in range(sets)]
+            counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
+            record = torch.empty(num_tokens, p.topk, dtype=torch.int16, device="cuda")
+            valid = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
+            options = {
+                "shared expert": dict(num_fused_shared_experts=1, shared_expert_weight=1.0),
+                "expert map": dict(expert_map=moeext.nn.expert_parallel_map(
+                    p.num_experts, 0, 8).cuda()),
+                "counts": dict(expert_counts=counts),
+                "record": dict(routed_experts=record),
+                "valid tokens": dict(num_valid_tokens=valid),
+                "all options": dict(num_fused_shared_experts=1, shared_expert_weight=1.0,
+                                    expert_map=moeext.nn.expert_parallel_map(
+                                        p.num_experts, 0, 8, num_fused_shared_experts=1).cuda(),
+                                    expert_counts=counts, routed_experts=record,
+                                    num_valid_tokens=valid),
+            }
+
+            def calls(**kw):
+                return lambda: [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest, **kw)
+                                for x in logits]
+
+            case = f"{name} T={num_tokens}"
+            plain = per_mode(calls())
+            for label, kw in options.items():
+                ours = per_mode(calls(**kw))
+                for mode in MODES:
+                    table.add(f"routing +{label}", case, ours, "plain routing", plain[mode],
+                              mode=mode)
+
+
 def router_gemm(table, quick, tokens=None, engines=None):
     """Each input set has its own weight too: in a model, the layers between two router GEMMs
     evict the gate from L2, so a call reads it from memory."""
@@ -408,8 +456,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few, small cases")
     parser.add_argument("--only", default=None,
-                        help="comma-separated: grouped_topk,router_gemm,fused_router,zero_tail,"
-                             "shuffles")
+                        help="comma-separated: grouped_topk,routing_options,router_gemm,"
+                             "fused_router,zero_tail,shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("--tokens", default=None, type=lambda s: [int(t) for t in s.split(",")],
                         help="comma-separated token counts for grouped_topk and router_gemm, "
@@ -442,6 +490,7 @@ def main(argv=None):
             engines = None
     table = Table()
     suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens, engines),
+              "routing_options": lambda: routing_options(table, args.quick, args.tokens),
               "router_gemm": lambda: router_gemm(table, args.quick, args.tokens, engines),
               "fused_router": lambda: fused_router(table, args.quick, args.tokens, engines),
               "zero_tail": lambda: zero_tail(table, args.quick),
