@@ -226,6 +226,23 @@ def engine_rows(table, op, case, ours, kernels, inputs, reference, mismatch):
         table.add(op, case, ours, label, times, mode=mode)
 
 
+
+def routing_args(p):
+    """A preset's routing arguments after the logits and bias, positionally, as engines pass
+    them."""
+    return (p.num_expert_group, p.topk_group, p.topk, p.renormalize, p.routed_scaling_factor,
+            p.scoring_func)
+
+
+def mm_has_out_dtype():
+    """Whether this torch's torch.mm takes out_dtype (cuBLAS bf16 x bf16 -> fp32)."""
+    try:
+        probe = torch.ones(2, 8, device="cuda", dtype=torch.bfloat16)
+        torch.mm(probe, probe.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
 def grouped_topk(table, quick, tokens=None, engines=None):
     presets = ["deepseek-v3", "kimi-k2"] if quick else list(PRESETS)
     tokens = tokens or ([1, 64] if quick else [1, 16, 64, 1024, 4096, 16384])
@@ -238,8 +255,7 @@ def grouped_topk(table, quick, tokens=None, engines=None):
                       .bfloat16() for _ in range(sets)]
             bias = ((2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g))
                     if p.has_bias else None)
-            rest = (p.num_expert_group, p.topk_group, p.topk, p.renormalize,
-                    p.routed_scaling_factor, p.scoring_func)
+            rest = routing_args(p)
 
             def calls(fn):
                 return lambda: [lambda x=x: fn(x, bias, *rest) for x in logits]
@@ -263,8 +279,7 @@ def routing_options(table, quick, tokens=None):
     tokens = tokens or ([1, 4096] if quick else [1, 64, 4096])
     for name in presets:
         p = PRESETS[name]
-        rest = (p.num_expert_group, p.topk_group, p.topk, p.renormalize,
-                p.routed_scaling_factor, p.scoring_func)
+        rest = routing_args(p)
         g = torch.Generator(device="cuda").manual_seed(p.num_experts)
         bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
         for num_tokens in tokens:
@@ -307,12 +322,7 @@ def router_gemm(table, quick, tokens=None, engines=None):
     hidden = 7168
     experts = [256] if quick else [256, 384]
     tokens = tokens or ([1, 16] if quick else [1, 4, 8, 16, 64, 256, 1024, 4096])
-    has_out_dtype = True
-    try:
-        probe = torch.ones(2, 8, device="cuda", dtype=torch.bfloat16)
-        torch.mm(probe, probe.t(), out_dtype=torch.float32)
-    except (TypeError, RuntimeError):
-        has_out_dtype = False
+    has_out_dtype = mm_has_out_dtype()
     for num_experts in experts:
         g = torch.Generator(device="cuda").manual_seed(num_experts)
         for num_tokens in tokens:
@@ -356,8 +366,7 @@ def fused_router(table, quick, tokens=None, engines=None):
     tokens = tokens or ([1, 16] if quick else [1, 2, 4, 8, 16, 64])
     for name in presets:
         p = PRESETS[name]
-        rest = (p.num_expert_group, p.topk_group, p.topk, p.renormalize,
-                p.routed_scaling_factor, p.scoring_func)
+        rest = routing_args(p)
         g = torch.Generator(device="cuda").manual_seed(p.num_experts)
         bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
         for num_tokens in tokens:

@@ -358,12 +358,8 @@ def main(argv=None):
     check_presets(harness, PRESETS)
     torch.backends.cuda.matmul.allow_tf32 = False
     status = harness.load_peers()
-    has_out_dtype = True
-    try:
-        probe = torch.ones(2, 8, device="cuda", dtype=torch.bfloat16)
-        torch.mm(probe, probe.t(), out_dtype=torch.float32)
-    except (TypeError, RuntimeError):
-        has_out_dtype = False
+    from bench_cuda import mm_has_out_dtype  # beside this file, on sys.path as its folder
+    has_out_dtype = mm_has_out_dtype()
     props = torch.cuda.get_device_properties(0)
     env = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "cuda": torch.version.cuda, "peers": status, "floor_us": harness.kernel_floor_us(),

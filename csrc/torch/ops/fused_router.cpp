@@ -134,6 +134,17 @@ void check_outputs_apart_from_gemm(const BiasedGroupedTopkParams& p,
               " share memory; what the call writes must be apart from what it reads");
 }
 
+// Both forms' last step, once everything is checked and p.routing filled: the GEMM's params
+// from inputs whose rows are made contiguous where they are not, and the launch.
+template <typename Device>
+void run_checked(FusedRouterParams& p, const at::Tensor& hidden_states, const at::Tensor& weight,
+                 at::Tensor& logits, const char* op) {
+  const at::Tensor hidden = with_contiguous_rows(hidden_states);
+  const at::Tensor gate = is_prepacked(weight) ? weight : with_contiguous_rows(weight);
+  p.gemm = fill_router_gemm_params(hidden, gate, logits);
+  launch(Device{}, p, hidden, gate, logits, op);
+}
+
 template <typename Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
     const at::Tensor& hidden_states, const at::Tensor& weight,
@@ -161,10 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
   const int64_t columns = topk + num_fused_shared_experts;
   at::Tensor topk_weights = Device::empty({num_tokens, columns}, at::kFloat, hidden_states);
   at::Tensor topk_ids = Device::empty({num_tokens, columns}, at::kInt, hidden_states);
-  const at::Tensor hidden = with_contiguous_rows(hidden_states);
-  const at::Tensor gate = is_prepacked(weight) ? weight : with_contiguous_rows(weight);
   FusedRouterParams p;
-  p.gemm = fill_router_gemm_params(hidden, gate, logits);
   p.routing = fill_routing_params(logits, correction_bias, topk_weights, topk_ids,
                                   num_expert_group, topk_group, topk, renormalize,
                                   routed_scaling_factor, scoring);
@@ -172,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_router(
     p.routing.options = check_options(options, logits, topk, op, "hidden_states");
     check_writes_apart(p.routing, /*outputs=*/false, op);
   }
-  launch(Device{}, p, hidden, gate, logits, op);
+  run_checked<Device>(p, hidden_states, weight, logits, op);
   if (!return_logits) logits = unreturned_logits(Device{}, logits.size(1), hidden_states);
   return {topk_weights, topk_ids, logits};
 }
@@ -213,10 +221,7 @@ void fused_router_out(
   if (options.any()) p.routing.options = check_options(options, logits, topk, op, "hidden_states");
   check_writes_apart(p.routing, /*outputs=*/true, op);
   check_outputs_apart_from_gemm(p.routing, hidden_states, weight, op);
-  const at::Tensor hidden = with_contiguous_rows(hidden_states);
-  const at::Tensor gate = is_prepacked(weight) ? weight : with_contiguous_rows(weight);
-  p.gemm = fill_router_gemm_params(hidden, gate, logits);
-  launch(Device{}, p, hidden, gate, logits, op);
+  run_checked<Device>(p, hidden_states, weight, logits, op);
 }
 
 using Signature = decltype(fused_router<Cpu>);
