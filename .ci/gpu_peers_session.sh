@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (an H200 has about 15 minutes a task), about 7-8 minutes:
+# One call on a lent GPU machine (an H200 has about 15 minutes a task), at most about 10 minutes:
 #   1. .gpu-peers/device_run.sh: moeext built in place for this GPU, the engines' kernels
 #      built from .peer/, their comparison (bench_peers.py, --quick unless BENCH_ARGS says
 #      otherwise), moeext's GPU tests;
@@ -11,12 +11,16 @@
 #      (MOEEXT_ENABLE_PDL=1; device_run.sh ran them with it off);
 #   5. the AOTInductor package test's child (tests/test_compile.py) run alone under gdb, for
 #      the native stack of the SIGSEGV its loader died with on an H200 (python -X faulthandler
-#      where gdb is missing or may not trace).
+#      where gdb is missing or may not trace);
+#   6. Nsight Compute on the decode kernels (benchmarks/python/profile_cuda.py): instructions
+#      per warp, issue-slot use, stall reasons, occupancy; the report (.ncu-rep) and its raw
+#      page (CSV) go to $OUT, where ncu can read the hardware counters (not on gVisor).
 # It copies nothing: .gpu-peers/ (a copy of ../shared/gpu-peers) and .peer/ (the engines'
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=290 FUSED_S=85 CUDA_BENCH_S=50 PDL_S=75 AOTI_S=90  the boxes, seconds (590 in all)
+#   DEVICE_RUN_S=280 FUSED_S=80 CUDA_BENCH_S=50 PDL_S=70 AOTI_S=55 PROFILE_S=40
+#                       the boxes, seconds (575 in all, and 20 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
 set -uo pipefail
@@ -39,7 +43,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
   # The baseline's full peer table exists (shared/gpu-peers/results); this run's pairs are
   # timed in step 2, so the harness's own comparison runs its quick cases to leave time.
   BENCH_ARGS="${BENCH_ARGS---quick}" BENCH_S="${BENCH_S:-120}" TESTS_S="${TESTS_S:-110}" \
-  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-290}" \
+  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-280}" \
     bash .gpu-peers/device_run.sh > "$OUT/device-run.log" 2>&1
   el "device_run.sh: exit $? (log device-run.log)"
   grep -E "^\[[0-9]+ s\]|^== |^build \(|BUILD FAILED|FAILED|ERROR|passed|failed" \
@@ -47,7 +51,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
 fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout -k 10 "${FUSED_S:-85}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+timeout -k 10 "${FUSED_S:-80}" "$PY" benchmarks/python/bench_fused_router_peers.py \
   --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
 el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
 if [ -f "$OUT/fused_router_peers.md" ]; then
@@ -65,7 +69,7 @@ grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-c
 
 # PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
 # (test_programmatic_launch.py says whether it took effect on this device).
-MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-75}" "$PY" -m pytest -q -p no:cacheprovider -x \
+MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-70}" "$PY" -m pytest -q -p no:cacheprovider -x \
   tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
   tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py \
   -k "cuda or programmatic" \
@@ -83,7 +87,7 @@ child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_c
 test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
 traced=0
 if command -v gdb > /dev/null; then
-  timeout -k 10 "${AOTI_S:-90}" gdb -q -batch -ex "set pagination off" \
+  timeout -k 10 "${AOTI_S:-55}" gdb -q -batch -ex "set pagination off" \
     -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
     --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
     > "$OUT/aoti-gdb.log" 2>&1
@@ -96,10 +100,32 @@ if command -v gdb > /dev/null; then
     "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
 fi
 if [ "$traced" = 0 ]; then
-  timeout -k 10 "${AOTI_S:-90}" "$PY" -X faulthandler -c "$child" \
+  timeout -k 10 "${AOTI_S:-55}" "$PY" -X faulthandler -c "$child" \
     > "$OUT/aoti-faulthandler.log" 2>&1
   el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
   tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
 fi
 rm -rf "$aoti"
+
+# Nsight Compute: ncu on the PATH, or where the image installs it. The calls inside the
+# script's NVTX ranges only; the clocks are left alone (--clock-control none).
+NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+if [ -n "$NCU" ]; then
+  timeout -k 10 "${PROFILE_S:-40}" "$NCU" --clock-control none --nvtx \
+    --nvtx-include moeext-profile/ --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section InstructionStats --export "$OUT/decode-kernels" --force-overwrite \
+    "$PY" benchmarks/python/profile_cuda.py > "$OUT/ncu.log" 2>&1
+  el "ncu on the decode kernels: exit $? (ncu.log, decode-kernels.ncu-rep)"
+  if [ -f "$OUT/decode-kernels.ncu-rep" ]; then
+    timeout 10 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
+    timeout 10 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
+    grep -E "^  [a-z_].*\(|Duration|Executed Instructions  |Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Block Size|Grid Size" \
+      "$OUT/ncu-details.txt" | cut -c1-160 | head -60
+  else
+    grep -E "^profiled|==ERROR==|==WARNING==|rror" "$OUT/ncu.log" | cut -c1-200 | head -20
+  fi
+else
+  el "no ncu on this machine: no kernel profile"
+fi
 el "done; in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
