@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moeext
-from conftest import DEVICES
+from conftest import DEVICES, GPU_DEVICES
 from moeext.presets import PRESETS
 from routing_check import assert_routing_matches, assert_valid_routing
 
@@ -1373,3 +1373,52 @@ def test_out_form_bumps_the_versions_of_what_it_writes(device):
         inf_w.zero_()
     moeext.biased_grouped_topk_out(logits, bias, inf_w, inf_ids, 8, 4)
     assert torch.equal(inf_w, out_w)
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
+    reason="needs a GPU and a moeext built for it"))])
+@pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
+def test_routing_variant_is_the_current_kernel(device, topology, scoring_func):
+    """The warp kernel's variant (moeext._C._set_gpu_routing_variant, kept for A/B timing)
+    gives the current kernel's bits: odd batches, every logits dtype with each bias dtype,
+    rows of ties, NaN and inf, and a column-strided view."""
+    num_experts, num_expert_group, topk_group, topk = topology
+    kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
+              routed_scaling_factor=2.5, scoring_func=scoring_func)
+    cases = []
+    for logits_dtype in FLOAT_DTYPES:
+        for bias_dtype in (None, torch.float32, torch.bfloat16):
+            logits, bias = make_inputs(1031, num_experts, logits_dtype, bias_dtype,
+                                       seed=num_experts + topk, device=device)
+            logits[0] = float("nan")
+            logits[1, ::3] = float("nan")
+            logits[2, : num_experts // 2] = float("inf")
+            logits[3] = 0.0  # every expert ties
+            logits[4, ::2] = float("-inf")
+            cases.append((logits, bias))
+            wide = torch.zeros(97, 2 * num_experts, dtype=logits_dtype, device=device)
+            wide[:, ::2] = logits[:97]
+            cases.append((wide[:, ::2], bias))
+    previous = moeext._C._set_gpu_routing_variant(False)
+    try:
+        for logits, bias in cases:
+            current = moeext.biased_grouped_topk(logits, bias, **kw)
+            moeext._C._set_gpu_routing_variant(True)
+            variant = moeext.biased_grouped_topk(logits, bias, **kw)
+            moeext._C._set_gpu_routing_variant(False)
+            assert torch.equal(variant[1], current[1]), (logits.dtype, bias)
+            assert torch.equal(variant[0], current[0]), (logits.dtype, bias)
+    finally:
+        moeext._C._set_gpu_routing_variant(previous)
+    assert_routing_matches(*current, logits.cpu(), None if bias is None else bias.cpu(), **kw)
+
+
+def test_routing_variant_switch_returns_the_previous_setting():
+    previous = moeext._C._set_gpu_routing_variant(True)
+    try:
+        assert moeext._C._set_gpu_routing_variant(True) is True
+        assert moeext._C._set_gpu_routing_variant(False) is True
+        assert moeext._C._set_gpu_routing_variant(False) is False
+    finally:
+        moeext._C._set_gpu_routing_variant(previous)

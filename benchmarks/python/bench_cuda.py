@@ -28,6 +28,8 @@ Baselines, measured in the same run on the same inputs:
                        no fused kernel takes the shape, not their fused CUDA kernels
   routing +<option>    plain biased_grouped_topk: each option of docs/SPEC.md §6 alone, and all
                        of them (issue #52's overhead)
+  routing variant      the current routing warp kernel: the variant kept beside it for A/B
+                       (moeext::gpu_routing_variant), checked bit for bit first, PDL off
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
@@ -316,6 +318,64 @@ def routing_options(table, quick, tokens=None):
                               mode=mode)
 
 
+@contextlib.contextmanager
+def routing_variant(enabled):
+    previous = moeext._C._set_gpu_routing_variant(enabled)
+    try:
+        yield
+    finally:
+        moeext._C._set_gpu_routing_variant(previous)
+
+
+def routing_variant_ab(table, quick, tokens=None):
+    """The routing warp kernel's variant (moeext::gpu_routing_variant) against the current
+    kernel, PDL off, in the same process: results compared bit for bit on every input set
+    (and on rows of ties and NaN) before timing, then graph times taken in alternation, three
+    of each, medians reported. A MISMATCH row means the variant must not land."""
+    tokens = tokens or ([1, 4096, 16384] if quick else [1, 16, 64, 256, 1024, 4096, 16384])
+    for name in ["deepseek-v3", "kimi-k2"]:
+        p = PRESETS[name]
+        rest = routing_args(p)
+        for dtype in [torch.bfloat16, torch.float32]:
+            for num_tokens in tokens:
+                g = torch.Generator(device="cuda").manual_seed(num_tokens)
+                sets = input_sets(num_tokens * p.num_experts * dtype.itemsize)
+                logits = [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g)
+                          .to(dtype) for _ in range(sets)]
+                bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
+                odd = torch.zeros(3, p.num_experts, device="cuda", dtype=dtype)
+                odd[1, ::3] = float("nan")
+                odd[2, 5] = float("inf")
+                same = True
+                for x in logits + [odd]:
+                    with routing_variant(False):
+                        a = moeext.biased_grouped_topk(x, bias, *rest)
+                    with routing_variant(True):
+                        b = moeext.biased_grouped_topk(x, bias, *rest)
+                    same &= all(torch.equal(u, v) for u, v in zip(a, b))
+
+                def calls():
+                    return [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest)
+                            for x in logits]
+
+                times = {False: [], True: []}
+                with launch_mode("no-pdl"):
+                    for _ in range(3):
+                        for variant in (False, True):
+                            with routing_variant(variant):
+                                times[variant].append(graph_us(calls))
+                    eager = {}
+                    for variant in (False, True):
+                        with routing_variant(variant):
+                            eager[variant] = eager_us(calls)
+                graph = {c: statistics.median(t) for c, t in times.items()}
+                dtype_name = str(dtype).replace("torch.", "")
+                case = f"{name} {dtype_name} T={num_tokens}"
+                table.add("routing variant" + ("" if same else " MISMATCH"), case,
+                          {"no-pdl": (graph[True], eager[True])}, "current warp kernel",
+                          (graph[False], eager[False]))
+
+
 def router_gemm(table, quick, tokens=None, engines=None):
     """Each input set has its own weight too: in a model, the layers between two router GEMMs
     evict the gate from L2, so a call reads it from memory."""
@@ -465,8 +525,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few, small cases")
     parser.add_argument("--only", default=None,
-                        help="comma-separated: grouped_topk,routing_options,router_gemm,"
-                             "fused_router,zero_tail,shuffles")
+                        help="comma-separated: grouped_topk,routing_options,"
+                             "routing_variant,router_gemm,fused_router,zero_tail,shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("--tokens", default=None, type=lambda s: [int(t) for t in s.split(",")],
                         help="comma-separated token counts for grouped_topk and router_gemm, "
@@ -500,6 +560,7 @@ def main(argv=None):
     table = Table()
     suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens, engines),
               "routing_options": lambda: routing_options(table, args.quick, args.tokens),
+              "routing_variant": lambda: routing_variant_ab(table, args.quick, args.tokens),
               "router_gemm": lambda: router_gemm(table, args.quick, args.tokens, engines),
               "fused_router": lambda: fused_router(table, args.quick, args.tokens, engines),
               "zero_tail": lambda: zero_tail(table, args.quick),

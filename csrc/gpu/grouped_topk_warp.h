@@ -48,15 +48,33 @@ __device__ __forceinline__ uint32_t first_holding(const uint32_t (&value)[V], in
   return expert;
 }
 
+// first_holding as a tree: the least of (value[i] == target ? first + i : none) over
+// [kBegin, kEnd), log2(kEnd - kBegin) dependent minimums where first_holding chains V selects.
+template <int kBegin, int kEnd, int V>
+__device__ __forceinline__ uint32_t first_holding_tree(const uint32_t (&value)[V], int first,
+                                                       uint32_t target, uint32_t none) {
+  if constexpr (kEnd - kBegin == 1) {
+    return value[kBegin] == target ? uint32_t(first + kBegin) : none;
+  } else {
+    const uint32_t a = first_holding_tree<kBegin, (kBegin + kEnd) / 2>(value, first, target, none);
+    const uint32_t b = first_holding_tree<(kBegin + kEnd) / 2, kEnd>(value, first, target, none);
+    return a < b ? a : b;
+  }
+}
+
 // One argmax round's winner, in every lane: the expert with the largest value, the lowest
 // such expert on a tie (the tie rule). 0 marks an expert out of play; at least one is in.
-template <int kWarpSize, int V>
+template <int kWarpSize, int V, bool kVariant = false>
 __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int first) {
 #if defined(MOEEXT_HAS_WARP_REDUX)
   // The largest value, then the least of the lanes' first experts holding it (lanes holding
   // none offer 0xffffffff).
   const uint32_t best = warp_reduce_max(lane_max<0, V>(value));
-  return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
+  if constexpr (kVariant) {
+    return warp_reduce_min(first_holding_tree<0, V>(value, first, best, 0xffffffffu));
+  } else {
+    return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
+  }
 #else
   // Each lane's largest value and the first expert holding it, as one key (key_from_ordered:
   // the larger key is the lower expert on a tie), and one butterfly over the keys: one
@@ -160,7 +178,10 @@ __device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, 
   }
 }
 
-template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions>
+// kVariant: the variant instructions of the argmax rounds and the weight sum (the same
+// bits; moeext::gpu_routing_variant says why both are kept).
+template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
+          bool kVariant = false>
 __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   constexpr int V = kExpertsPerLane;
   constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
@@ -270,7 +291,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // round's path.
     uint32_t chosen_id = 0;
     for (int j = 0; j < topk; ++j) {
-      const uint32_t id = round_winner<kWarpSize>(value, first);
+      const uint32_t id = round_winner<kWarpSize, V, kVariant>(value, first);
 #pragma unroll
       for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
       chosen_id = lane == j ? id : chosen_id;
@@ -288,10 +309,24 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // Every lane adds the weights in winning order, the CPU's summation order.
     // (All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.)
     float sum = 0.0f;
+    if constexpr (kVariant) {
+      // Lanes [0, topk) only, in runs of 8 independent shuffles: the same additions in the
+      // same order, without the kWarpSize - topk shuffles and selects past topk.
+      for (int run = 0; run < topk; run += 8) {
+        float w[8];
 #pragma unroll
-    for (int j = 0; j < kWarpSize; ++j) {
-      const float w = shfl(chosen_weight, j);
-      if (j < topk) sum += w;
+        for (int u = 0; u < 8; ++u) w[u] = shfl(chosen_weight, (run + u) % kWarpSize);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (run + u < topk) sum += w[u];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kWarpSize; ++j) {
+        const float w = shfl(chosen_weight, j);
+        if (j < topk) sum += w;
+      }
     }
     if (lane < topk) {
       p.topk_ids[token * p.ids_row_stride + lane] =
@@ -305,14 +340,15 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
 }
 
 // kOptions: the instance that applies the routing options; a plain call runs the other.
-template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions>
+template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
+          bool kVariant = false>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock,
                                   warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     wait_for_prior_grids();
     allow_dependent_grids();
-    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions>(args);
+    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions, kVariant>(args);
   } else {
     (void)args;  // not this target's warp width: never launched here
   }

@@ -96,6 +96,10 @@ PYBIND11_MODULE(_C, m) {
         [](bool enabled) { return moeext::set_gpu_programmatic_dependent_launch(enabled); },
         py::arg("enabled"), "Sets whether the decode-path GPU kernels launch with programmatic\n"
         "dependent launch; returns the previous setting.");
+  m.def("_set_gpu_routing_variant",
+        [](bool enabled) { return moeext::set_gpu_routing_variant(enabled); },
+        py::arg("enabled"), "Developers' A/B switch: whether the plain GPU routing calls run the\n"
+        "variant warp kernel (the same bits); returns the previous setting.");
   m.def("programmatic_dependent_launch_supported", [] {
 #if defined(MOEEXT_GPU_BACKEND)
     return moeext::gpu_programmatic_dependent_launch_supported();

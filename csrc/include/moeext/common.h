@@ -89,4 +89,24 @@ inline bool set_gpu_programmatic_dependent_launch(bool enabled) {
 // by GPU builds only (csrc/gpu/device.cu).
 bool gpu_programmatic_dependent_launch_supported();
 
+// The variant of the routing warp kernel (grouped_topk_warp.h, kVariant): a second
+// instance of the plain biased_grouped_topk warp kernel that computes the same bits by other
+// instructions, kept beside the current one so that both can be timed in one process on a GPU
+// (bench_cuda.py --only routing_variant) before the faster becomes the only one. Off unless
+// set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch.
+namespace detail {
+inline std::atomic<bool>& routing_variant_flag() {
+  static std::atomic<bool> enabled{false};
+  return enabled;
+}
+}  // namespace detail
+
+inline bool gpu_routing_variant() {
+  return detail::routing_variant_flag().load(std::memory_order_relaxed);
+}
+// Sets whether the variant runs; returns the previous setting.
+inline bool set_gpu_routing_variant(bool enabled) {
+  return detail::routing_variant_flag().exchange(enabled, std::memory_order_relaxed);
+}
+
 }  // namespace moeext
