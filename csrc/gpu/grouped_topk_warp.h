@@ -339,11 +339,19 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   }
 }
 
+// The CUDA architecture this pass compiles device code for (0 for the host and HIP).
+#if !defined(MOEEXT_HIP) && defined(__CUDA_ARCH__)
+constexpr int kCudaArch = __CUDA_ARCH__;
+#else
+constexpr int kCudaArch = 0;
+#endif
+
 // kOptions: the instance that applies the routing options; a plain call runs the other.
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
           bool kVariant = false>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock,
-                                  warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
+__global__ void __launch_bounds__(
+    kMaxThreadsPerBlock, kVariant ? warp_variant_min_blocks(kWarpSize, kExpertsPerLane, kCudaArch)
+                                  : warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     wait_for_prior_grids();
