@@ -49,6 +49,13 @@ for src in csrc/gpu/*.cu; do
 done
 
 # ---- 2. CUDA, forced on a CPU-only torch ------------------------------------------------
+# The warp operations' benchmark (a standalone CUDA program, run on a GPU by
+# .ci/gpu_peers_session.sh) builds against the kernels' headers as they are now.
+NVCC="$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")"
+"$NVCC" -O3 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc benchmarks/cuda/warp_ops.cu \
+  -o "$TOOLS/warp_ops"
+echo "CUDA sm_90a: benchmarks/cuda/warp_ops.cu ok"
+
 MOEEXT_FORCE_CUDA=1 pip install --no-build-isolation -v . > "$TOOLS/cuda-build.log" 2>&1 || {
   tail -50 "$TOOLS/cuda-build.log"; exit 1; }
 python - <<'PY'

@@ -8,6 +8,8 @@
 #   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's variant against
 #      the current kernel (bit for bit first), the routing options' overhead, the fused
 #      router's out= form and routing, moeext with PDL off and on (rows print as timed);
+#   3b. benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of the warp
+#      operations the routing kernel's argmax rounds are made of, and of a round itself;
 #   4. the decode ops' GPU tests again with programmatic dependent launch on
 #      (MOEEXT_ENABLE_PDL=1; device_run.sh ran them with it off);
 #   5. the AOTInductor package test's child (tests/test_compile.py) run alone under gdb, for
@@ -20,8 +22,8 @@
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=270 FUSED_S=80 CUDA_BENCH_S=65 PDL_S=65 AOTI_S=55 PROFILE_S=40
-#                       the boxes, seconds (575 in all, and 20 s to read the profile back)
+#   DEVICE_RUN_S=270 FUSED_S=75 CUDA_BENCH_S=65 WARP_OPS_S=25 PDL_S=60 AOTI_S=50 PROFILE_S=40
+#                       the boxes, seconds (585 in all, and 12 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
 set -uo pipefail
@@ -52,7 +54,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
 fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout -k 10 "${FUSED_S:-80}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+timeout -k 10 "${FUSED_S:-75}" "$PY" benchmarks/python/bench_fused_router_peers.py \
   --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
 el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
 if [ -f "$OUT/fused_router_peers.md" ]; then
@@ -68,9 +70,21 @@ el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
 grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \
   | cut -c1-160 | head -30 || tail -15 "$OUT/bench-cuda-quick.log"
 
+# The warp operations' own costs, in the multiprocessor's cycles (nvcc for this GPU).
+if command -v nvcc > /dev/null; then
+  timeout -k 5 "${WARP_OPS_S:-25}" bash -c "nvcc -O3 -std=c++17 -arch=native -Icsrc/include \
+    -Icsrc benchmarks/cuda/warp_ops.cu -o '$OUT/warp_ops' && '$OUT/warp_ops'" \
+    > "$OUT/warp-ops.md" 2>&1
+  el "warp_ops: exit $? (warp-ops.md)"
+  cut -c1-120 "$OUT/warp-ops.md" | head -20
+  rm -f "$OUT/warp_ops"
+else
+  el "no nvcc: warp_ops not built"
+fi
+
 # PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
 # (test_programmatic_launch.py says whether it took effect on this device).
-MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-65}" "$PY" -m pytest -q -p no:cacheprovider -x \
+MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-60}" "$PY" -m pytest -q -p no:cacheprovider -x \
   tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
   tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py \
   -k "cuda or programmatic" \
@@ -88,7 +102,7 @@ child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_c
 test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
 traced=0
 if command -v gdb > /dev/null; then
-  timeout -k 10 "${AOTI_S:-55}" gdb -q -batch -ex "set pagination off" \
+  timeout -k 10 "${AOTI_S:-50}" gdb -q -batch -ex "set pagination off" \
     -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
     --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
     > "$OUT/aoti-gdb.log" 2>&1
@@ -101,7 +115,7 @@ if command -v gdb > /dev/null; then
     "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
 fi
 if [ "$traced" = 0 ]; then
-  timeout -k 10 "${AOTI_S:-55}" "$PY" -X faulthandler -c "$child" \
+  timeout -k 10 "${AOTI_S:-50}" "$PY" -X faulthandler -c "$child" \
     > "$OUT/aoti-faulthandler.log" 2>&1
   el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
   tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
@@ -119,8 +133,8 @@ if [ -n "$NCU" ]; then
     "$PY" benchmarks/python/profile_cuda.py > "$OUT/ncu.log" 2>&1
   el "ncu on the decode kernels: exit $? (ncu.log, decode-kernels.ncu-rep)"
   if [ -f "$OUT/decode-kernels.ncu-rep" ]; then
-    timeout 10 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
-    timeout 10 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
+    timeout 6 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
+    timeout 6 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
     grep -E "^  [a-z_].*\(|Duration|Executed Instructions  |Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Block Size|Grid Size" \
       "$OUT/ncu-details.txt" | cut -c1-160 | head -60
   else

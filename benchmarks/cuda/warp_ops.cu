@@ -1,0 +1,275 @@
+// What the routing warp kernel's steps cost on the GPU it runs on (issue #51): the latency of
+// each warp operation an argmax round is made of, in a dependent chain on one warp, and its
+// throughput with every multiprocessor full, in warp operations per cycle per
+// multiprocessor. The argmax round and the sigmoid are the kernel's own functions
+// (csrc/gpu/grouped_topk_warp.h, grouped_topk_device.h), the current one and the variant
+// (kVariant). Cycles are the multiprocessor's own (clock64), so the figures do not depend on
+// the clock the GPU runs at.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc benchmarks/cuda/warp_ops.cu \
+//        -o warp_ops && ./warp_ops
+//
+// A decode token runs topk rounds back to back (latency); a prefill batch keeps every
+// multiprocessor busy with many tokens (throughput). The per-token figures of the kernel are
+// the rounds' times topk, plus the scores' (experts a lane per sigmoid chain).
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "gpu/compat.h"
+#include "gpu/grouped_topk_warp.h"
+
+namespace {
+
+using moeext::ScoringFunc;
+using moeext::gpu::grouped_topk::elementwise_score;
+using moeext::gpu::grouped_topk::round_winner;
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 256;
+constexpr int kChains = 4;  // independent chains a warp interleaves in the throughput runs
+constexpr int kLatencyIters = 4096;
+constexpr int kThroughputIters = 2048;
+constexpr unsigned kAll = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t lane_id() { return threadIdx.x % kWarp; }
+
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// Each op maps a state to the next one; the chain's every step depends on the last.
+struct ReduxMax {
+  static constexpr const char* kName = "redux.sync max (u32)";
+  __device__ static uint32_t step(uint32_t x) { return __reduce_max_sync(kAll, x) + lane_id(); }
+};
+struct ReduxMin {
+  static constexpr const char* kName = "redux.sync min (u32)";
+  __device__ static uint32_t step(uint32_t x) { return __reduce_min_sync(kAll, x) + lane_id(); }
+};
+struct ShflIdx {
+  static constexpr const char* kName = "shfl.sync idx";
+  __device__ static uint32_t step(uint32_t x) { return __shfl_sync(kAll, x, int(x % kWarp)) + 1; }
+};
+struct ShflXor {
+  static constexpr const char* kName = "shfl.sync bfly";
+  __device__ static uint32_t step(uint32_t x) { return __shfl_xor_sync(kAll, x, 1) + lane_id(); }
+};
+struct Ballot {
+  static constexpr const char* kName = "vote.sync ballot";
+  __device__ static uint32_t step(uint32_t x) {
+    return __ballot_sync(kAll, (x >> lane_id()) & 1u) + lane_id();
+  }
+};
+struct IntMad {
+  static constexpr const char* kName = "integer multiply-add";
+  __device__ static uint32_t step(uint32_t x) { return x * 3u + lane_id(); }
+};
+// The kernel's exact sigmoid (expf and an IEEE reciprocal), on values kept in [-4, 4).
+struct Sigmoid {
+  static constexpr const char* kName = "sigmoid, exact (one expert)";
+  __device__ static uint32_t step(uint32_t x) {
+    const float v = float(int(x % 8192u)) * (1.0f / 1024.0f) - 4.0f;
+    return __float_as_uint(elementwise_score(ScoringFunc::kSigmoid, v));
+  }
+};
+
+// One argmax round of the warp kernel: the winner of V experts a lane, then its removal, as
+// route_tokens_per_warp does. The values are refilled from the winner every topk = 8 rounds,
+// so each round has experts in play.
+template <int V, bool kVariant>
+struct Round {
+  uint32_t value[V];
+  __device__ void fill(uint32_t seed) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) value[i] = (seed * 2654435761u + uint32_t(i) * 40503u) | 1u;
+  }
+  __device__ uint32_t step(int first) {
+    const uint32_t id = round_winner<kWarp, V, kVariant>(value, first);
+#pragma unroll
+    for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
+    return id;
+  }
+};
+
+template <typename Op, int kChainsT>
+__global__ void op_kernel(int iters, uint32_t seed, uint32_t* sink, long long* span) {
+  uint32_t x[kChainsT];
+#pragma unroll
+  for (int c = 0; c < kChainsT; ++c) x[c] = threadIdx.x * 2654435761u + seed + uint32_t(c);
+  __syncthreads();
+  const long long start = clock64();
+  for (int i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int c = 0; c < kChainsT; ++c) x[c] = Op::step(x[c]);
+  }
+  const long long end = clock64();
+  uint32_t folded = 0;
+#pragma unroll
+  for (int c = 0; c < kChainsT; ++c) folded ^= x[c];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
+  if (threadIdx.x == 0) {
+    span[3 * blockIdx.x] = start;
+    span[3 * blockIdx.x + 1] = end;
+    span[3 * blockIdx.x + 2] = smid();
+  }
+}
+
+template <int V, bool kVariant, int kChainsT>
+__global__ void round_kernel(int iters, uint32_t seed, uint32_t* sink, long long* span) {
+  Round<V, kVariant> r[kChainsT];
+  const int first = int(lane_id()) * V;
+#pragma unroll
+  for (int c = 0; c < kChainsT; ++c) r[c].fill(threadIdx.x + seed + uint32_t(c));
+  uint32_t acc[kChainsT] = {};
+  __syncthreads();
+  const long long start = clock64();
+  for (int i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int c = 0; c < kChainsT; ++c) acc[c] += r[c].step(first);
+    if (i % 8 == 7) {
+#pragma unroll
+      for (int c = 0; c < kChainsT; ++c) r[c].fill(acc[c]);
+    }
+  }
+  const long long end = clock64();
+  uint32_t folded = 0;
+#pragma unroll
+  for (int c = 0; c < kChainsT; ++c) folded ^= acc[c];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
+  if (threadIdx.x == 0) {
+    span[3 * blockIdx.x] = start;
+    span[3 * blockIdx.x + 1] = end;
+    span[3 * blockIdx.x + 2] = smid();
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "warp_ops: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+struct Result {
+  double latency;     // cycles per step of one chain, one warp alone
+  double throughput;  // warp steps per cycle per multiprocessor, all of them full
+};
+
+// Latency: one block of one warp running one chain, cycles per step. Throughput: every
+// multiprocessor given `blocks_per_sm` blocks of kThreads, each warp running kChains chains
+// side by side, its steps counted over the span its multiprocessor was busy.
+template <typename LatencyLaunch, typename ThroughputLaunch>
+Result measure(const LatencyLaunch& latency, const ThroughputLaunch& throughput, int sms,
+               int blocks_per_sm) {
+  uint32_t* sink;
+  long long* span;
+  const int max_blocks = sms * blocks_per_sm;
+  check(cudaMalloc(&sink, sizeof(uint32_t) * max_blocks * kThreads), "cudaMalloc");
+  check(cudaMalloc(&span, sizeof(long long) * 3 * max_blocks), "cudaMalloc");
+  std::vector<long long> host(3 * max_blocks);
+  Result r{};
+  latency(64, sink, span);  // warm-up
+  latency(kLatencyIters, sink, span);
+  check(cudaDeviceSynchronize(), "latency run");
+  check(cudaMemcpy(host.data(), span, sizeof(long long) * 3, cudaMemcpyDeviceToHost), "copy");
+  r.latency = double(host[1] - host[0]) / kLatencyIters;
+
+  throughput(max_blocks, sink, span);
+  check(cudaDeviceSynchronize(), "throughput run");
+  check(cudaMemcpy(host.data(), span, sizeof(long long) * 3 * max_blocks,
+                   cudaMemcpyDeviceToHost), "copy");
+  // Per multiprocessor: its blocks' steps over the span from its first start to its last end.
+  constexpr int kMaxSms = 1024;
+  std::vector<long long> lo(kMaxSms, -1), hi(kMaxSms, -1);
+  std::vector<int> count(kMaxSms, 0);
+  for (int b = 0; b < max_blocks; ++b) {
+    const int sm = int(host[3 * b + 2]) % kMaxSms;
+    if (lo[sm] < 0 || host[3 * b] < lo[sm]) lo[sm] = host[3 * b];
+    if (host[3 * b + 1] > hi[sm]) hi[sm] = host[3 * b + 1];
+    ++count[sm];
+  }
+  double sum = 0;
+  int used = 0;
+  for (int sm = 0; sm < kMaxSms; ++sm) {
+    if (count[sm] == 0 || hi[sm] <= lo[sm]) continue;
+    const double steps = double(count[sm]) * (kThreads / kWarp) * kThroughputIters * kChains;
+    sum += steps / double(hi[sm] - lo[sm]);
+    ++used;
+  }
+  r.throughput = used ? sum / used : 0;
+  check(cudaFree(sink), "cudaFree");
+  check(cudaFree(span), "cudaFree");
+  return r;
+}
+
+void print_row(const char* name, const Result& r) {
+  std::printf("| %-36s | %8.1f | %8.2f |\n", name, r.latency, r.throughput);
+}
+
+template <typename Op>
+void row(int sms, int blocks_per_sm) {
+  const Result r = measure(
+      [](int iters, uint32_t* sink, long long* span) {
+        op_kernel<Op, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
+        check(cudaGetLastError(), Op::kName);
+      },
+      [](int blocks, uint32_t* sink, long long* span) {
+        op_kernel<Op, kChains><<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
+        check(cudaGetLastError(), Op::kName);
+      },
+      sms, blocks_per_sm);
+  print_row(Op::kName, r);
+}
+
+template <int V, bool kVariant>
+void round_row(int sms, int blocks_per_sm) {
+  const Result r = measure(
+      [](int iters, uint32_t* sink, long long* span) {
+        round_kernel<V, kVariant, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
+        check(cudaGetLastError(), "round_kernel");
+      },
+      [](int blocks, uint32_t* sink, long long* span) {
+        round_kernel<V, kVariant, kChains>
+            <<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
+        check(cudaGetLastError(), "round_kernel");
+      },
+      sms, blocks_per_sm);
+  char name[64];
+  std::snprintf(name, sizeof(name), "argmax round, %d a lane, %s", V,
+                kVariant ? "variant" : "current");
+  print_row(name, r);
+}
+
+}  // namespace
+
+int main() {
+  int device = 0, sms = 0, major = 0, minor = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "attribute");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "attribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "attribute");
+  cudaDeviceProp props;
+  check(cudaGetDeviceProperties(&props, device), "cudaGetDeviceProperties");
+  constexpr int kBlocksPerSm = 4;  // 32 warps a multiprocessor: as many as the kernel gets
+  std::printf("# %s (sm_%d%d, %d SMs); cycles are the multiprocessor's (clock64)\n", props.name,
+              major, minor, sms);
+  std::printf("# latency: cycles per step of one chain on one warp; throughput: warp steps per\n"
+              "# cycle per SM, %d blocks of %d threads on each, %d chains a warp\n",
+              kBlocksPerSm, kThreads, kChains);
+  std::printf("| op | latency (cycles) | throughput (warp ops / cycle / SM) |\n|---|---:|---:|\n");
+  row<IntMad>(sms, kBlocksPerSm);
+  row<ShflXor>(sms, kBlocksPerSm);
+  row<ShflIdx>(sms, kBlocksPerSm);
+  row<Ballot>(sms, kBlocksPerSm);
+  row<ReduxMax>(sms, kBlocksPerSm);
+  row<ReduxMin>(sms, kBlocksPerSm);
+  row<Sigmoid>(sms, kBlocksPerSm);
+  round_row<8, false>(sms, kBlocksPerSm);
+  round_row<8, true>(sms, kBlocksPerSm);
+  round_row<12, false>(sms, kBlocksPerSm);
+  round_row<12, true>(sms, kBlocksPerSm);
+  return 0;
+}
