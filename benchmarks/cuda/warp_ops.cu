@@ -11,7 +11,8 @@
 //
 // A decode token runs topk rounds back to back (latency); a prefill batch keeps every
 // multiprocessor busy with many tokens (throughput). The per-token figures of the kernel are
-// the rounds' times topk, plus the scores' (experts a lane per sigmoid chain).
+// the rounds' times topk, plus the scores' (experts a lane per sigmoid chain). Every round
+// row refills its experts every 8 rounds (a token's top-8), that cost included.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -79,8 +80,9 @@ struct Sigmoid {
 // One argmax round of the warp kernel: the winner of V experts a lane, then its removal, as
 // route_tokens_per_warp does. The values are refilled from the winner every topk = 8 rounds,
 // so each round has experts in play.
-template <int V, bool kVariant>
+template <int kV, bool kVariant>
 struct Round {
+  static constexpr int V = kV;
   uint32_t value[V];
   __device__ void fill(uint32_t seed) {
 #pragma unroll
@@ -90,6 +92,50 @@ struct Round {
     const uint32_t id = round_winner<kWarp, V, kVariant>(value, first);
 #pragma unroll
     for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
+    return id;
+  }
+};
+
+// A candidate not in the kernel: each lane sorts its 8 experts once per token (Batcher's
+// 19-comparator network on (value, expert), larger value first, the lower expert first on a
+// tie), after which a round compares the lanes' heads only: the largest head, the least
+// expert among the lanes whose head it is, and that lane shifts its list by one. The same
+// winner as round_winner's. Refilled (and sorted again) every 8 rounds, as a token's.
+struct SortedRound8 {
+  static constexpr int V = 8;
+  uint32_t value[V];
+  uint32_t expert[V];
+  __device__ void order(int a, int b) {
+    const bool swap = value[b] > value[a] || (value[b] == value[a] && expert[b] < expert[a]);
+    const uint32_t va = value[a], ea = expert[a];
+    value[a] = swap ? value[b] : va;
+    expert[a] = swap ? expert[b] : ea;
+    value[b] = swap ? va : value[b];
+    expert[b] = swap ? ea : expert[b];
+  }
+  __device__ void fill(uint32_t seed) {
+    const uint32_t first = lane_id() * V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      value[i] = (seed * 2654435761u + uint32_t(i) * 40503u) | 1u;
+      expert[i] = first + uint32_t(i);
+    }
+    constexpr int kPairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6},
+                                   {5, 7}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {3, 7},
+                                   {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+    for (int k = 0; k < 19; ++k) order(kPairs[k][0], kPairs[k][1]);
+  }
+  __device__ uint32_t step(int) {
+    const uint32_t best = __reduce_max_sync(kAll, value[0]);
+    const uint32_t id = __reduce_min_sync(kAll, value[0] == best ? expert[0] : 0xffffffffu);
+    const bool mine = expert[0] == id;
+#pragma unroll
+    for (int i = 0; i + 1 < V; ++i) {
+      value[i] = mine ? value[i + 1] : value[i];
+      expert[i] = mine ? expert[i + 1] : expert[i];
+    }
+    value[V - 1] = mine ? 0u : value[V - 1];
     return id;
   }
 };
@@ -117,10 +163,10 @@ __global__ void op_kernel(int iters, uint32_t seed, uint32_t* sink, long long* s
   }
 }
 
-template <int V, bool kVariant, int kChainsT>
+template <typename R, int kChainsT>
 __global__ void round_kernel(int iters, uint32_t seed, uint32_t* sink, long long* span) {
-  Round<V, kVariant> r[kChainsT];
-  const int first = int(lane_id()) * V;
+  R r[kChainsT];
+  const int first = int(lane_id()) * R::V;
 #pragma unroll
   for (int c = 0; c < kChainsT; ++c) r[c].fill(threadIdx.x + seed + uint32_t(c));
   uint32_t acc[kChainsT] = {};
@@ -224,22 +270,18 @@ void row(int sms, int blocks_per_sm) {
   print_row(Op::kName, r);
 }
 
-template <int V, bool kVariant>
-void round_row(int sms, int blocks_per_sm) {
+template <typename R>
+void round_row(int sms, int blocks_per_sm, const char* name) {
   const Result r = measure(
       [](int iters, uint32_t* sink, long long* span) {
-        round_kernel<V, kVariant, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
+        round_kernel<R, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
         check(cudaGetLastError(), "round_kernel");
       },
       [](int blocks, uint32_t* sink, long long* span) {
-        round_kernel<V, kVariant, kChains>
-            <<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
+        round_kernel<R, kChains><<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
         check(cudaGetLastError(), "round_kernel");
       },
       sms, blocks_per_sm);
-  char name[64];
-  std::snprintf(name, sizeof(name), "argmax round, %d a lane, %s", V,
-                kVariant ? "variant" : "current");
   print_row(name, r);
 }
 
@@ -267,9 +309,10 @@ int main() {
   row<ReduxMax>(sms, kBlocksPerSm);
   row<ReduxMin>(sms, kBlocksPerSm);
   row<Sigmoid>(sms, kBlocksPerSm);
-  round_row<8, false>(sms, kBlocksPerSm);
-  round_row<8, true>(sms, kBlocksPerSm);
-  round_row<12, false>(sms, kBlocksPerSm);
-  round_row<12, true>(sms, kBlocksPerSm);
+  round_row<Round<8, false>>(sms, kBlocksPerSm, "argmax round, 8 a lane, current");
+  round_row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant");
+  round_row<SortedRound8>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted lanes");
+  round_row<Round<12, false>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current");
+  round_row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant");
   return 0;
 }
