@@ -12,7 +12,8 @@
 // A decode token runs topk rounds back to back (latency); a prefill batch keeps every
 // multiprocessor busy with many tokens (throughput). The per-token figures of the kernel are
 // the rounds' times topk, plus the scores' (experts a lane per sigmoid chain). Every round
-// row refills its experts every 8 rounds (a token's top-8), that cost included.
+// row refills its experts every 8 rounds (a token's top-8), that cost included. The last row
+// is per thread, not per warp: a row routed by one thread pays it once per expert it ranks.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -83,6 +84,7 @@ struct Sigmoid {
 template <int kV, bool kVariant>
 struct Round {
   static constexpr int V = kV;
+  static constexpr int kRefill = 8;
   uint32_t value[V];
   __device__ void fill(uint32_t seed) {
 #pragma unroll
@@ -103,6 +105,7 @@ struct Round {
 // winner as round_winner's. Refilled (and sorted again) every 8 rounds, as a token's.
 struct SortedRound8 {
   static constexpr int V = 8;
+  static constexpr int kRefill = 8;
   uint32_t value[V];
   uint32_t expert[V];
   __device__ void order(int a, int b) {
@@ -137,6 +140,39 @@ struct SortedRound8 {
     }
     value[V - 1] = mine ? 0u : value[V - 1];
     return id;
+  }
+};
+
+// A thread's sorted top-8 (larger first, the earlier expert first on a tie) taking one more
+// expert, branch-free: the cost per expert of routing a whole row in one thread, the other
+// way to spend a prefill batch's instructions. One step inserts one value; every 32 the list
+// restarts empty.
+struct InsertTop8 {
+  static constexpr int V = 8;
+  static constexpr int kRefill = 32;
+  uint32_t value[V];
+  uint32_t expert[V];
+  uint32_t count;
+  __device__ void fill(uint32_t) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) value[i] = expert[i] = 0u;
+    count = 0;
+  }
+  __device__ uint32_t step(int) {
+    const uint32_t x = (count * 2654435761u + lane_id() * 40503u + value[V - 1]) | 1u;
+    // Strictly larger only: a tie keeps the earlier expert ahead.
+    bool above[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) above[i] = x > value[i];
+#pragma unroll
+    for (int i = V - 1; i > 0; --i) {
+      value[i] = above[i - 1] ? value[i - 1] : (above[i] ? x : value[i]);
+      expert[i] = above[i - 1] ? expert[i - 1] : (above[i] ? count : expert[i]);
+    }
+    value[0] = above[0] ? x : value[0];
+    expert[0] = above[0] ? count : expert[0];
+    ++count;
+    return expert[V - 1];
   }
 };
 
@@ -175,7 +211,7 @@ __global__ void round_kernel(int iters, uint32_t seed, uint32_t* sink, long long
   for (int i = 0; i < iters; ++i) {
 #pragma unroll
     for (int c = 0; c < kChainsT; ++c) acc[c] += r[c].step(first);
-    if (i % 8 == 7) {
+    if (i % R::kRefill == R::kRefill - 1) {
 #pragma unroll
       for (int c = 0; c < kChainsT; ++c) r[c].fill(acc[c]);
     }
@@ -313,6 +349,7 @@ int main() {
   round_row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant");
   round_row<SortedRound8>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted lanes");
   round_row<Round<12, false>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current");
+  round_row<InsertTop8>(sms, kBlocksPerSm, "one thread: insert into a sorted top-8");
   round_row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant");
   return 0;
 }
