@@ -1377,12 +1377,13 @@ def test_out_form_bumps_the_versions_of_what_it_writes(device):
 
 @pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
     reason="needs a GPU and a moeext built for it"))])
+@pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
-def test_routing_variant_is_the_current_kernel(device, topology, scoring_func):
-    """The warp kernel's variant (moeext._C._set_gpu_routing_variant, kept for A/B timing)
-    gives the current kernel's bits: odd batches, every logits dtype with each bias dtype,
-    rows of ties, NaN and inf, and a column-strided view."""
+def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, variant):
+    """Each variant of the warp kernel (moeext._C._set_gpu_routing_variant, kept for A/B
+    timing) gives the current kernel's bits: odd batches, every logits dtype with each bias
+    dtype, rows of ties, NaN and inf, and a column-strided view."""
     num_experts, num_expert_group, topk_group, topk = topology
     kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
               routed_scaling_factor=2.5, scoring_func=scoring_func)
@@ -1400,25 +1401,28 @@ def test_routing_variant_is_the_current_kernel(device, topology, scoring_func):
             wide = torch.zeros(97, 2 * num_experts, dtype=logits_dtype, device=device)
             wide[:, ::2] = logits[:97]
             cases.append((wide[:, ::2], bias))
-    previous = moeext._C._set_gpu_routing_variant(False)
+    previous = moeext._C._set_gpu_routing_variant(0)
     try:
         for logits, bias in cases:
             current = moeext.biased_grouped_topk(logits, bias, **kw)
-            moeext._C._set_gpu_routing_variant(True)
-            variant = moeext.biased_grouped_topk(logits, bias, **kw)
-            moeext._C._set_gpu_routing_variant(False)
-            assert torch.equal(variant[1], current[1]), (logits.dtype, bias)
-            assert torch.equal(variant[0], current[0]), (logits.dtype, bias)
+            moeext._C._set_gpu_routing_variant(variant)
+            other = moeext.biased_grouped_topk(logits, bias, **kw)
+            moeext._C._set_gpu_routing_variant(0)
+            assert torch.equal(other[1], current[1]), (logits.dtype, bias)
+            assert torch.equal(other[0], current[0]), (logits.dtype, bias)
     finally:
         moeext._C._set_gpu_routing_variant(previous)
     assert_routing_matches(*current, logits.cpu(), None if bias is None else bias.cpu(), **kw)
 
 
-def test_routing_variant_switch_returns_the_previous_setting():
-    previous = moeext._C._set_gpu_routing_variant(True)
+def test_routing_variant_switch_returns_the_previous_one_and_refuses_others():
+    previous = moeext._C._set_gpu_routing_variant(2)
     try:
-        assert moeext._C._set_gpu_routing_variant(True) is True
-        assert moeext._C._set_gpu_routing_variant(False) is True
-        assert moeext._C._set_gpu_routing_variant(False) is False
+        assert moeext._C._set_gpu_routing_variant(1) == 2
+        assert moeext._C._set_gpu_routing_variant(0) == 1
+        for bad in (-1, 3):
+            with pytest.raises(ValueError, match=f"variant must be 0 .*, got {bad}"):
+                moeext._C._set_gpu_routing_variant(bad)
+        assert moeext._C._set_gpu_routing_variant(0) == 0  # a refused value changes nothing
     finally:
         moeext._C._set_gpu_routing_variant(previous)

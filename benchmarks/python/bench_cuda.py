@@ -28,7 +28,7 @@ Baselines, measured in the same run on the same inputs:
                        no fused kernel takes the shape, not their fused CUDA kernels
   routing +<option>    plain biased_grouped_topk: each option of docs/SPEC.md §6 alone, and all
                        of them (issue #52's overhead)
-  routing variant      the current routing warp kernel: the variant kept beside it for A/B
+  routing variant N    the current routing warp kernel: each variant kept beside it for A/B
                        (moeext::gpu_routing_variant), checked bit for bit first, PDL off
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
@@ -318,9 +318,12 @@ def routing_options(table, quick, tokens=None):
                               mode=mode)
 
 
+ROUTING_VARIANTS = [1, 2]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+
+
 @contextlib.contextmanager
-def routing_variant(enabled):
-    previous = moeext._C._set_gpu_routing_variant(enabled)
+def routing_variant(variant):
+    previous = moeext._C._set_gpu_routing_variant(variant)
     try:
         yield
     finally:
@@ -328,11 +331,13 @@ def routing_variant(enabled):
 
 
 def routing_variant_ab(table, quick, tokens=None):
-    """The routing warp kernel's variant (moeext::gpu_routing_variant) against the current
-    kernel, PDL off, in the same process: results compared bit for bit on every input set
-    (and on rows of ties and NaN) before timing, then graph times taken in alternation, three
-    of each, medians reported. A MISMATCH row means the variant must not land."""
+    """The routing warp kernel's variants (moeext::gpu_routing_variant) against the current
+    kernel, PDL off, in the same process: each variant's results compared bit for bit with the
+    current kernel's on every input set (and on rows of ties and NaN) before timing, then
+    graph times taken in alternation, three of each, medians reported. A MISMATCH row means
+    that variant must not land."""
     tokens = tokens or ([1, 4096, 16384] if quick else [1, 16, 64, 256, 1024, 4096, 16384])
+    variants = [0] + ROUTING_VARIANTS
     for name in ["deepseek-v3", "kimi-k2"]:
         p = PRESETS[name]
         rest = routing_args(p)
@@ -346,34 +351,36 @@ def routing_variant_ab(table, quick, tokens=None):
                 odd = torch.zeros(3, p.num_experts, device="cuda", dtype=dtype)
                 odd[1, ::3] = float("nan")
                 odd[2, 5] = float("inf")
-                same = True
+                same = {v: True for v in ROUTING_VARIANTS}
                 for x in logits + [odd]:
-                    with routing_variant(False):
-                        a = moeext.biased_grouped_topk(x, bias, *rest)
-                    with routing_variant(True):
-                        b = moeext.biased_grouped_topk(x, bias, *rest)
-                    same &= all(torch.equal(u, v) for u, v in zip(a, b))
+                    with routing_variant(0):
+                        current = moeext.biased_grouped_topk(x, bias, *rest)
+                    for v in ROUTING_VARIANTS:
+                        with routing_variant(v):
+                            other = moeext.biased_grouped_topk(x, bias, *rest)
+                        same[v] &= all(torch.equal(a, b) for a, b in zip(current, other))
 
                 def calls():
                     return [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest)
                             for x in logits]
 
-                times = {False: [], True: []}
+                times = {v: [] for v in variants}
+                eager = {}
                 with launch_mode("no-pdl"):
                     for _ in range(3):
-                        for variant in (False, True):
-                            with routing_variant(variant):
-                                times[variant].append(graph_us(calls))
-                    eager = {}
-                    for variant in (False, True):
-                        with routing_variant(variant):
-                            eager[variant] = eager_us(calls)
-                graph = {c: statistics.median(t) for c, t in times.items()}
+                        for v in variants:
+                            with routing_variant(v):
+                                times[v].append(graph_us(calls))
+                    for v in variants:
+                        with routing_variant(v):
+                            eager[v] = eager_us(calls)
+                graph = {v: statistics.median(t) for v, t in times.items()}
                 dtype_name = str(dtype).replace("torch.", "")
                 case = f"{name} {dtype_name} T={num_tokens}"
-                table.add("routing variant" + ("" if same else " MISMATCH"), case,
-                          {"no-pdl": (graph[True], eager[True])}, "current warp kernel",
-                          (graph[False], eager[False]))
+                for v in ROUTING_VARIANTS:
+                    table.add(f"routing variant {v}" + ("" if same[v] else " MISMATCH"), case,
+                              {"no-pdl": (graph[v], eager[v])}, "current warp kernel",
+                              (graph[0], eager[0]))
 
 
 def router_gemm(table, quick, tokens=None, engines=None):

@@ -41,7 +41,7 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, bool kVariant>
+template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, int kVariant>
 Kernel warp_kernel(int experts_per_lane) {
   return pick_experts_per_lane<kWarpSize, Kernel>(experts_per_lane, nullptr, [](auto v) {
     return Kernel(grouped_topk_warp_kernel<kWarpSize, decltype(v)::value, LogitT, BiasT,
@@ -63,11 +63,14 @@ GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
     if (blocks > sms * 16) blocks = sms * 16;
     args.warps_per_block = int(warps_per_block);
     args.token_step = blocks * warps_per_block;
-    // The variant (moeext::gpu_routing_variant) has plain instances only.
-    const Kernel kernel =
-        !kOptions && gpu_routing_variant()
-            ? warp_kernel<kWarpSize, LogitT, BiasT, kOptions, !kOptions>(plan.experts_per_lane)
-            : warp_kernel<kWarpSize, LogitT, BiasT, kOptions, false>(plan.experts_per_lane);
+    // The variants (moeext::gpu_routing_variant) have plain instances only.
+    const int v = plan.experts_per_lane;
+    Kernel kernel = warp_kernel<kWarpSize, LogitT, BiasT, kOptions, 0>(v);
+    if constexpr (!kOptions) {
+      const int variant = gpu_routing_variant();
+      if (variant == 1) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 1>(v);
+      if (variant == 2) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 2>(v);
+    }
     if (kernel == nullptr) return "biased_grouped_topk: no warp kernel for this plan (internal error)";
     return launch(kernel, blocks, int(warps_per_block * kWarpSize),
                   fast_smem_bytes(plan, args.p.num_experts, warps_per_block), stream, args);

@@ -62,7 +62,7 @@ constexpr int kMinBlocksPerMultiprocessor = 2;
 MOEEXT_HOST_DEVICE constexpr int warp_kernel_min_blocks(int warp_size, int experts_per_lane) {
   return experts_per_lane <= (warp_size == 64 ? 12 : 24) ? kMinBlocksPerMultiprocessor : 1;
 }
-// The variant of the warp kernel (kVariant; moeext::gpu_routing_variant) asks for three blocks
+// The variants of the warp kernel (kVariant; moeext::gpu_routing_variant) ask for three blocks
 // at 12 experts a lane in its sm_90 code (cuda_arch 900), the code an H200 runs: its weight sum
 // took ptxas from 80 registers to 89 there, two blocks a multiprocessor where the current
 // kernel has three, which would time an occupancy change along with the instructions. Capped,

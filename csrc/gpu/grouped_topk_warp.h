@@ -64,13 +64,13 @@ __device__ __forceinline__ uint32_t first_holding_tree(const uint32_t (&value)[V
 
 // One argmax round's winner, in every lane: the expert with the largest value, the lowest
 // such expert on a tie (the tie rule). 0 marks an expert out of play; at least one is in.
-template <int kWarpSize, int V, bool kVariant = false>
+template <int kWarpSize, int V, bool kTree = false>
 __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int first) {
 #if defined(MOEEXT_HAS_WARP_REDUX)
   // The largest value, then the least of the lanes' first experts holding it (lanes holding
   // none offer 0xffffffff).
   const uint32_t best = warp_reduce_max(lane_max<0, V>(value));
-  if constexpr (kVariant) {
+  if constexpr (kTree) {
     return warp_reduce_min(first_holding_tree<0, V>(value, first, best, 0xffffffffu));
   } else {
     return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
@@ -178,10 +178,25 @@ __device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, 
   }
 }
 
-// kVariant: the variant instructions of the argmax rounds and the weight sum (the same
-// bits; moeext::gpu_routing_variant says why both are kept).
+// Into L2, this lane's logits of row `row` (its first expert's line; all of them where the row
+// is contiguous and a lane's chunk does not cross a line): the warp's next token, asked for a
+// whole token's work ahead of its load. CUDA only (a hint: nothing else changes).
+template <typename LogitT>
+__device__ __forceinline__ void prefetch_lane_logits(const LogitT* row, int64_t stride, int first,
+                                                     int num_experts) {
+#if !defined(MOEEXT_HIP)
+  if (first < num_experts) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + int64_t(first) * stride));
+  }
+#else
+  (void)row, (void)stride, (void)first, (void)num_experts;
+#endif
+}
+
+// kVariant: 0 the current kernel, or one of the variants of moeext::gpu_routing_variant (the
+// same bits by other instructions, kept beside it until a GPU has timed them).
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
-          bool kVariant = false>
+          int kVariant = 0>
 __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   constexpr int V = kExpertsPerLane;
   constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
@@ -210,6 +225,14 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   const int64_t counted_end = kOptions ? counted_rows(p.options, p.num_tokens) : 0;
   for (int64_t token = block_index() * warps_per_block + warp; token < p.num_tokens;
        token += args.token_step) {
+    if constexpr (kVariant >= 2) {
+      const int64_t next = token + args.token_step;
+      if (next < p.num_tokens) {
+        const LogitT* next_row =
+            static_cast<const LogitT*>(p.gating_output) + next * p.gating_row_stride;
+        prefetch_lane_logits(next_row, p.gating_col_stride, first, num_experts);
+      }
+    }
     // Steps 1-2: s and the keys of b.
     float s[V];
     load_experts<V>(static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
@@ -291,7 +314,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // round's path.
     uint32_t chosen_id = 0;
     for (int j = 0; j < topk; ++j) {
-      const uint32_t id = round_winner<kWarpSize, V, kVariant>(value, first);
+      const uint32_t id = round_winner<kWarpSize, V, (kVariant >= 1)>(value, first);
 #pragma unroll
       for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
       chosen_id = lane == j ? id : chosen_id;
@@ -309,7 +332,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // Every lane adds the weights in winning order, the CPU's summation order.
     // (All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.)
     float sum = 0.0f;
-    if constexpr (kVariant) {
+    if constexpr (kVariant >= 1) {
       // Lanes [0, topk) only, in runs of 8 independent shuffles: the same additions in the
       // same order, without the kWarpSize - topk shuffles and selects past topk.
       for (int run = 0; run < topk; run += 8) {
@@ -348,10 +371,11 @@ constexpr int kCudaArch = 0;
 
 // kOptions: the instance that applies the routing options; a plain call runs the other.
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
-          bool kVariant = false>
+          int kVariant = 0>
 __global__ void __launch_bounds__(
-    kMaxThreadsPerBlock, kVariant ? warp_variant_min_blocks(kWarpSize, kExpertsPerLane, kCudaArch)
-                                  : warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
+    kMaxThreadsPerBlock,
+    kVariant != 0 ? warp_variant_min_blocks(kWarpSize, kExpertsPerLane, kCudaArch)
+                  : warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     wait_for_prior_grids();

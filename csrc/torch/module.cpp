@@ -97,9 +97,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("enabled"), "Sets whether the decode-path GPU kernels launch with programmatic\n"
         "dependent launch; returns the previous setting.");
   m.def("_set_gpu_routing_variant",
-        [](bool enabled) { return moeext::set_gpu_routing_variant(enabled); },
-        py::arg("enabled"), "Developers' A/B switch: whether the plain GPU routing calls run the\n"
-        "variant warp kernel (the same bits); returns the previous setting.");
+        [](int variant) {
+          if (variant < 0 || variant >= moeext::kGpuRoutingVariants) {
+            throw py::value_error("_set_gpu_routing_variant: variant must be 0 (the current "
+                                  "kernel), 1 or 2, got " + std::to_string(variant));
+          }
+          return moeext::set_gpu_routing_variant(variant);
+        },
+        py::arg("variant"),
+        "Developers' A/B switch: which warp kernel the plain GPU routing calls run, 0 (the\n"
+        "current one) or a variant of the same bits; returns the previous one.");
   m.def("programmatic_dependent_launch_supported", [] {
 #if defined(MOEEXT_GPU_BACKEND)
     return moeext::gpu_programmatic_dependent_launch_supported();

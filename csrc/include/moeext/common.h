@@ -89,24 +89,28 @@ inline bool set_gpu_programmatic_dependent_launch(bool enabled) {
 // by GPU builds only (csrc/gpu/device.cu).
 bool gpu_programmatic_dependent_launch_supported();
 
-// The variant of the routing warp kernel (grouped_topk_warp.h, kVariant): a second
-// instance of the plain biased_grouped_topk warp kernel that computes the same bits by other
-// instructions, kept beside the current one so that both can be timed in one process on a GPU
-// (bench_cuda.py --only routing_variant) before the faster becomes the only one. Off unless
+// The variants of the routing warp kernel (grouped_topk_warp.h, kVariant): more instances of
+// the plain biased_grouped_topk warp kernel that compute the same bits by other instructions,
+// kept beside the current one (variant 0) so that all can be timed in one process on a GPU
+// (bench_cuda.py --only routing_variant) before the fastest becomes the only one. 0 unless
 // set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch.
+//   1: the argmax rounds' second reduction over a tree, the weight sum over topk lanes only;
+//   2: 1, and each lane prefetches its logits of the warp's next token into L2 (CUDA only).
+constexpr int kGpuRoutingVariants = 3;
 namespace detail {
-inline std::atomic<bool>& routing_variant_flag() {
-  static std::atomic<bool> enabled{false};
-  return enabled;
+inline std::atomic<int>& routing_variant_flag() {
+  static std::atomic<int> variant{0};
+  return variant;
 }
 }  // namespace detail
 
-inline bool gpu_routing_variant() {
+inline int gpu_routing_variant() {
   return detail::routing_variant_flag().load(std::memory_order_relaxed);
 }
-// Sets whether the variant runs; returns the previous setting.
-inline bool set_gpu_routing_variant(bool enabled) {
-  return detail::routing_variant_flag().exchange(enabled, std::memory_order_relaxed);
+// Sets the variant (0 <= variant < kGpuRoutingVariants, checked by the caller); returns the
+// previous one.
+inline int set_gpu_routing_variant(int variant) {
+  return detail::routing_variant_flag().exchange(variant, std::memory_order_relaxed);
 }
 
 }  // namespace moeext
