@@ -5,9 +5,10 @@
 #      otherwise), moeext's GPU tests;
 #   2. benchmarks/python/bench_fused_router_peers.py: fused_router against every peer
 #      router GEMM + routing pair, with issue #53's verdicts;
-#   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's variant against
-#      the current kernel (bit for bit first), the routing options' overhead, the fused
-#      router's out= form and routing, moeext with PDL off and on (rows print as timed);
+#   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's variants against
+#      the current kernel (bit for bit first, a box of their own), then the routing options'
+#      overhead, the fused router's out= form and routing, moeext with PDL off and on (rows
+#      print as timed);
 #   3b. benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of the warp
 #      operations the routing kernel's argmax rounds are made of, and of a round itself;
 #   4. the decode ops' GPU tests again with programmatic dependent launch on
@@ -22,8 +23,8 @@
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=270 FUSED_S=75 CUDA_BENCH_S=65 WARP_OPS_S=25 PDL_S=60 AOTI_S=50 PROFILE_S=40
-#                       the boxes, seconds (585 in all, and 12 s to read the profile back)
+#   DEVICE_RUN_S=265 FUSED_S=75 VARIANT_S=25 CUDA_BENCH_S=50 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
+#   PROFILE_S=40         the boxes, seconds (585 in all, and 12 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
 set -uo pipefail
@@ -46,7 +47,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
   # The baseline's full peer table exists (shared/gpu-peers/results); this run's pairs are
   # timed in step 2, so the harness's own comparison runs its quick cases to leave time.
   BENCH_ARGS="${BENCH_ARGS---quick}" BENCH_S="${BENCH_S:-120}" TESTS_S="${TESTS_S:-110}" \
-  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-270}" \
+  COMPILE_S="${COMPILE_S:-50}" timeout -k 10 "${DEVICE_RUN_S:-265}" \
     bash .gpu-peers/device_run.sh > "$OUT/device-run.log" 2>&1
   el "device_run.sh: exit $? (log device-run.log)"
   grep -E "^\[[0-9]+ s\]|^== |^build \(|BUILD FAILED|FAILED|ERROR|passed|failed" \
@@ -63,8 +64,19 @@ else
   tail -25 "$OUT/fused-router-peers.log"
 fi
 
-timeout -k 10 "${CUDA_BENCH_S:-65}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
-  --only routing_variant,routing_options,fused_router,grouped_topk \
+# The routing variants against the current kernel first, in a box of their own: which one
+# lands is decided by these rows.
+timeout -k 10 "${VARIANT_S:-25}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
+  --only routing_variant > "$OUT/routing-variants.log" 2>&1
+el "bench_cuda.py --only routing_variant: exit $? (routing-variants.log)"
+if grep -q "^routing variant" "$OUT/routing-variants.log"; then
+  grep "^routing variant" "$OUT/routing-variants.log" | cut -c1-170 | head -24
+else
+  tail -10 "$OUT/routing-variants.log"
+fi
+
+timeout -k 10 "${CUDA_BENCH_S:-50}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
+  --only routing_options,fused_router,grouped_topk \
   > "$OUT/bench-cuda-quick.log" 2>&1
 el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
 grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \
@@ -84,10 +96,10 @@ fi
 
 # PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
 # (test_programmatic_launch.py says whether it took effect on this device).
-MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-60}" "$PY" -m pytest -q -p no:cacheprovider -x \
+MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-55}" "$PY" -m pytest -q -p no:cacheprovider -x \
   tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
   tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py \
-  -k "cuda or programmatic" \
+  -k "(cuda or programmatic) and not routing_variant" \
   > "$OUT/pdl-tests.log" 2>&1
 el "GPU tests with MOEEXT_ENABLE_PDL=1: exit $? (pdl-tests.log)"
 tail -5 "$OUT/pdl-tests.log" | cut -c1-200

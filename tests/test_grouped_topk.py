@@ -1382,8 +1382,9 @@ def test_out_form_bumps_the_versions_of_what_it_writes(device):
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
 def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, variant):
     """Each variant of the warp kernel (moeext._C._set_gpu_routing_variant, kept for A/B
-    timing) gives the current kernel's bits: odd batches, every logits dtype with each bias
-    dtype, rows of ties, NaN and inf, and a column-strided view."""
+    timing) gives the current kernel's bits (which the other tests hold to the reference): odd
+    batches, every logits dtype with each bias dtype, rows of ties, NaN and inf, and a
+    column-strided view."""
     num_experts, num_expert_group, topk_group, topk = topology
     kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
               routed_scaling_factor=2.5, scoring_func=scoring_func)
@@ -1412,7 +1413,6 @@ def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, v
             assert torch.equal(other[0], current[0]), (logits.dtype, bias)
     finally:
         moeext._C._set_gpu_routing_variant(previous)
-    assert_routing_matches(*current, logits.cpu(), None if bias is None else bias.cpu(), **kw)
 
 
 def test_routing_variant_switch_returns_the_previous_one_and_refuses_others():
