@@ -82,9 +82,12 @@ el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
 grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \
   | cut -c1-160 | head -30 || tail -15 "$OUT/bench-cuda-quick.log"
 
-# The warp operations' own costs, in the multiprocessor's cycles (nvcc for this GPU).
+# The warp operations' own costs, in the multiprocessor's cycles (nvcc for this GPU's
+# architecture, as torch reports it; nvcc's own detection where torch cannot say).
 if command -v nvcc > /dev/null; then
-  timeout -k 5 "${WARP_OPS_S:-25}" bash -c "nvcc -O3 -std=c++17 -arch=native -Icsrc/include \
+  arch="$("$PY" -c 'import torch; print("sm_%d%d" % torch.cuda.get_device_capability())' \
+    2>/dev/null || echo native)"
+  timeout -k 5 "${WARP_OPS_S:-25}" bash -c "nvcc -O3 -std=c++17 -arch=$arch -Icsrc/include \
     -Icsrc benchmarks/cuda/warp_ops.cu -o '$OUT/warp_ops' && '$OUT/warp_ops'" \
     > "$OUT/warp-ops.md" 2>&1
   el "warp_ops: exit $? (warp-ops.md)"

@@ -21,6 +21,10 @@
 #include "gpu/compat.h"
 #include "gpu/grouped_topk_warp.h"
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "warp_ops times redux.sync, which needs sm_80 or newer: build it with -arch=sm_80 or above"
+#endif
+
 namespace {
 
 using moeext::ScoringFunc;
