@@ -330,7 +330,6 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     }
     chosen_weight = weight_of_score(chosen_weight);
     // Every lane adds the weights in winning order, the CPU's summation order.
-    // (All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.)
     float sum = 0.0f;
     if constexpr (kVariant >= 1) {
       // Lanes [0, topk) only, in runs of 8 independent shuffles: the same additions in the
@@ -345,6 +344,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
         }
       }
     } else {
+      // All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.
 #pragma unroll
       for (int j = 0; j < kWarpSize; ++j) {
         const float w = shfl(chosen_weight, j);

@@ -93,7 +93,8 @@ bool gpu_programmatic_dependent_launch_supported();
 // the plain biased_grouped_topk warp kernel that compute the same bits by other instructions,
 // kept beside the current one (variant 0) so that all can be timed in one process on a GPU
 // (bench_cuda.py --only routing_variant) before the fastest becomes the only one. 0 unless
-// set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch.
+// set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch,
+// so a CUDA graph keeps the variant that was set while it was captured.
 //   1: the argmax rounds' second reduction over a tree, the weight sum over topk lanes only;
 //   2: 1, and each lane prefetches its logits of the warp's next token into L2 (CUDA only).
 constexpr int kGpuRoutingVariants = 3;
