@@ -82,6 +82,20 @@ struct Sigmoid {
   }
 };
 
+// A chain of one op: its state is the op's last value, never refilled.
+template <typename Op>
+struct OpChain {
+  static constexpr int V = 1;
+  static constexpr int kRefill = 0;
+  uint32_t x;
+  __device__ void fill(uint32_t seed) { x = seed * 2654435761u; }
+  __device__ uint32_t step(int) {
+    x = Op::step(x);
+    return 0u;
+  }
+  __device__ uint32_t result() const { return x; }
+};
+
 // One argmax round of the warp kernel: the winner of V experts a lane, then its removal, as
 // route_tokens_per_warp does. The values are refilled from the winner every topk = 8 rounds,
 // so each round has experts in play.
@@ -100,6 +114,7 @@ struct Round {
     for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
     return id;
   }
+  __device__ uint32_t result() const { return value[0]; }
 };
 
 // A candidate not in the kernel: each lane sorts its 8 experts once per token (Batcher's
@@ -145,6 +160,7 @@ struct SortedRound8 {
     value[V - 1] = mine ? 0u : value[V - 1];
     return id;
   }
+  __device__ uint32_t result() const { return value[0]; }
 };
 
 // A thread's sorted top-8 (larger first, the earlier expert first on a tie) taking one more
@@ -178,33 +194,14 @@ struct InsertTop8 {
     ++count;
     return expert[V - 1];
   }
+  __device__ uint32_t result() const { return value[0]; }
 };
 
-template <typename Op, int kChainsT>
-__global__ void op_kernel(int iters, uint32_t seed, uint32_t* sink, long long* span) {
-  uint32_t x[kChainsT];
-#pragma unroll
-  for (int c = 0; c < kChainsT; ++c) x[c] = threadIdx.x * 2654435761u + seed + uint32_t(c);
-  __syncthreads();
-  const long long start = clock64();
-  for (int i = 0; i < iters; ++i) {
-#pragma unroll
-    for (int c = 0; c < kChainsT; ++c) x[c] = Op::step(x[c]);
-  }
-  const long long end = clock64();
-  uint32_t folded = 0;
-#pragma unroll
-  for (int c = 0; c < kChainsT; ++c) folded ^= x[c];
-  sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
-  if (threadIdx.x == 0) {
-    span[3 * blockIdx.x] = start;
-    span[3 * blockIdx.x + 1] = end;
-    span[3 * blockIdx.x + 2] = smid();
-  }
-}
-
+// kChainsT chains of R side by side in every thread, each step's result accumulated (and used
+// to refill a chain every R::kRefill steps, where R refills); the block's start and end clocks
+// and its multiprocessor go to span.
 template <typename R, int kChainsT>
-__global__ void round_kernel(int iters, uint32_t seed, uint32_t* sink, long long* span) {
+__global__ void chain_kernel(int iters, uint32_t seed, uint32_t* sink, long long* span) {
   R r[kChainsT];
   const int first = int(lane_id()) * R::V;
 #pragma unroll
@@ -215,15 +212,17 @@ __global__ void round_kernel(int iters, uint32_t seed, uint32_t* sink, long long
   for (int i = 0; i < iters; ++i) {
 #pragma unroll
     for (int c = 0; c < kChainsT; ++c) acc[c] += r[c].step(first);
-    if (i % R::kRefill == R::kRefill - 1) {
+    if constexpr (R::kRefill > 0) {
+      if (i % R::kRefill == R::kRefill - 1) {
 #pragma unroll
-      for (int c = 0; c < kChainsT; ++c) r[c].fill(acc[c]);
+        for (int c = 0; c < kChainsT; ++c) r[c].fill(acc[c]);
+      }
     }
   }
   const long long end = clock64();
   uint32_t folded = 0;
 #pragma unroll
-  for (int c = 0; c < kChainsT; ++c) folded ^= acc[c];
+  for (int c = 0; c < kChainsT; ++c) folded ^= acc[c] ^ r[c].result();
   sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
   if (threadIdx.x == 0) {
     span[3 * blockIdx.x] = start;
@@ -295,34 +294,24 @@ void print_row(const char* name, const Result& r) {
   std::printf("| %-36s | %8.1f | %8.2f |\n", name, r.latency, r.throughput);
 }
 
-template <typename Op>
-void row(int sms, int blocks_per_sm) {
-  const Result r = measure(
-      [](int iters, uint32_t* sink, long long* span) {
-        op_kernel<Op, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
-        check(cudaGetLastError(), Op::kName);
-      },
-      [](int blocks, uint32_t* sink, long long* span) {
-        op_kernel<Op, kChains><<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
-        check(cudaGetLastError(), Op::kName);
-      },
-      sms, blocks_per_sm);
-  print_row(Op::kName, r);
-}
-
 template <typename R>
-void round_row(int sms, int blocks_per_sm, const char* name) {
+void row(int sms, int blocks_per_sm, const char* name) {
   const Result r = measure(
-      [](int iters, uint32_t* sink, long long* span) {
-        round_kernel<R, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
-        check(cudaGetLastError(), "round_kernel");
+      [name](int iters, uint32_t* sink, long long* span) {
+        chain_kernel<R, 1><<<1, kWarp>>>(iters, 12345u, sink, span);
+        check(cudaGetLastError(), name);
       },
-      [](int blocks, uint32_t* sink, long long* span) {
-        round_kernel<R, kChains><<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
-        check(cudaGetLastError(), "round_kernel");
+      [name](int blocks, uint32_t* sink, long long* span) {
+        chain_kernel<R, kChains><<<blocks, kThreads>>>(kThroughputIters, 12345u, sink, span);
+        check(cudaGetLastError(), name);
       },
       sms, blocks_per_sm);
   print_row(name, r);
+}
+
+template <typename Op>
+void op_row(int sms, int blocks_per_sm) {
+  row<OpChain<Op>>(sms, blocks_per_sm, Op::kName);
 }
 
 }  // namespace
@@ -342,18 +331,18 @@ int main() {
               "# cycle per SM, %d blocks of %d threads on each, %d chains a warp\n",
               kBlocksPerSm, kThreads, kChains);
   std::printf("| op | latency (cycles) | throughput (warp ops / cycle / SM) |\n|---|---:|---:|\n");
-  row<IntMad>(sms, kBlocksPerSm);
-  row<ShflXor>(sms, kBlocksPerSm);
-  row<ShflIdx>(sms, kBlocksPerSm);
-  row<Ballot>(sms, kBlocksPerSm);
-  row<ReduxMax>(sms, kBlocksPerSm);
-  row<ReduxMin>(sms, kBlocksPerSm);
-  row<Sigmoid>(sms, kBlocksPerSm);
-  round_row<Round<8, false>>(sms, kBlocksPerSm, "argmax round, 8 a lane, current");
-  round_row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant");
-  round_row<SortedRound8>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted lanes");
-  round_row<Round<12, false>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current");
-  round_row<InsertTop8>(sms, kBlocksPerSm, "one thread: insert into a sorted top-8");
-  round_row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant");
+  op_row<IntMad>(sms, kBlocksPerSm);
+  op_row<ShflXor>(sms, kBlocksPerSm);
+  op_row<ShflIdx>(sms, kBlocksPerSm);
+  op_row<Ballot>(sms, kBlocksPerSm);
+  op_row<ReduxMax>(sms, kBlocksPerSm);
+  op_row<ReduxMin>(sms, kBlocksPerSm);
+  op_row<Sigmoid>(sms, kBlocksPerSm);
+  row<Round<8, false>>(sms, kBlocksPerSm, "argmax round, 8 a lane, current");
+  row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant");
+  row<SortedRound8>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted lanes");
+  row<Round<12, false>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current");
+  row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant");
+  row<InsertTop8>(sms, kBlocksPerSm, "one thread: insert into a sorted top-8");
   return 0;
 }

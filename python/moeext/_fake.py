@@ -263,7 +263,6 @@ def _fused_router_fake(hidden_states, weight, correction_bias, num_expert_group,
     return weights, ids, logits
 
 
-
 @torch.library.register_fake("moeext::fused_router_out")
 def _fused_router_out_fake(hidden_states, weight, correction_bias, topk_weights, topk_ids,
                            num_expert_group, topk_group, renormalize=True,
