@@ -23,7 +23,7 @@
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=265 FUSED_S=75 VARIANT_S=25 CUDA_BENCH_S=50 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
+#   DEVICE_RUN_S=265 FUSED_S=70 VARIANT_S=40 CUDA_BENCH_S=40 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
 #   PROFILE_S=40         the boxes, seconds (585 in all, and 12 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
@@ -55,7 +55,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
 fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout -k 10 "${FUSED_S:-75}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+timeout -k 10 "${FUSED_S:-70}" "$PY" benchmarks/python/bench_fused_router_peers.py \
   --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
 el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
 if [ -f "$OUT/fused_router_peers.md" ]; then
@@ -66,16 +66,16 @@ fi
 
 # The routing variants against the current kernel first, in a box of their own: which one
 # lands is decided by these rows.
-timeout -k 10 "${VARIANT_S:-25}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
+timeout -k 10 "${VARIANT_S:-40}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
   --only routing_variant > "$OUT/routing-variants.log" 2>&1
 el "bench_cuda.py --only routing_variant: exit $? (routing-variants.log)"
 if grep -q "^routing variant" "$OUT/routing-variants.log"; then
-  grep "^routing variant" "$OUT/routing-variants.log" | cut -c1-170 | head -24
+  grep "^routing variant" "$OUT/routing-variants.log" | cut -c1-170 | head -52
 else
   tail -10 "$OUT/routing-variants.log"
 fi
 
-timeout -k 10 "${CUDA_BENCH_S:-50}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
+timeout -k 10 "${CUDA_BENCH_S:-40}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
   --only routing_options,fused_router,grouped_topk \
   > "$OUT/bench-cuda-quick.log" 2>&1
 el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"

@@ -1377,7 +1377,7 @@ def test_out_form_bumps_the_versions_of_what_it_writes(device):
 
 @pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
     reason="needs a GPU and a moeext built for it"))])
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
 def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, variant):
@@ -1420,7 +1420,7 @@ def test_routing_variant_switch_returns_the_previous_one_and_refuses_others():
     try:
         assert moeext._C._set_gpu_routing_variant(1) == 2
         assert moeext._C._set_gpu_routing_variant(0) == 1
-        for bad in (-1, 3):
+        for bad in (-1, 5):
             with pytest.raises(ValueError, match=f"variant must be 0 .*, got {bad}"):
                 moeext._C._set_gpu_routing_variant(bad)
         assert moeext._C._set_gpu_routing_variant(0) == 0  # a refused value changes nothing

@@ -318,7 +318,7 @@ def routing_options(table, quick, tokens=None):
                               mode=mode)
 
 
-ROUTING_VARIANTS = [1, 2]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+ROUTING_VARIANTS = [1, 2, 3, 4]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 
 
 @contextlib.contextmanager

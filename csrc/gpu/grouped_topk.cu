@@ -70,6 +70,8 @@ GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
       const int variant = gpu_routing_variant();
       if (variant == 1) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 1>(v);
       if (variant == 2) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 2>(v);
+      if (variant == 3) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 3>(v);
+      if (variant == 4) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 4>(v);
     }
     if (kernel == nullptr) return "biased_grouped_topk: no warp kernel for this plan (internal error)";
     return launch(kernel, blocks, int(warps_per_block * kWarpSize),

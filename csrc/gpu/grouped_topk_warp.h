@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "gpu/grouped_topk_device.h"
+#include "gpu/sort_lane.h"
 
 namespace moeext::gpu::grouped_topk {
 namespace {
@@ -84,6 +85,42 @@ __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int
   const uint32_t lane_first = first_holding(value, first, lane_best, uint32_t(first));
   return key_index(butterfly_max<kWarpSize>(key_from_ordered(lane_best, lane_first)));
 #endif
+}
+
+// What variant kVariant of the warp kernel changes (moeext::gpu_routing_variant lists them).
+MOEEXT_HOST_DEVICE constexpr bool variant_takes_min_tree(int variant) { return variant >= 1; }
+MOEEXT_HOST_DEVICE constexpr bool variant_sums_topk_lanes(int variant) { return variant >= 1; }
+MOEEXT_HOST_DEVICE constexpr bool variant_prefetches(int variant) {
+  return variant == 2 || variant == 4;
+}
+MOEEXT_HOST_DEVICE constexpr bool variant_sorts_lanes(int variant, int experts_per_lane) {
+  return (variant == 3 || variant == 4) && experts_per_lane <= kMaxSortedExpertsPerLane;
+}
+
+// One argmax round over sorted lanes: the largest first value, the lowest expert holding it
+// (the lowest lane among those whose first value it is: lanes hold ascending experts, and a
+// lane's equal values are in expert order), returned in every lane; that lane then drops its
+// first value. The same winner as round_winner's. 0 marks an expert out of play.
+template <int kWarpSize, int V>
+__device__ __forceinline__ uint32_t sorted_round_winner(uint32_t (&value)[V],
+                                                        SlotOrder<V>& order, int first,
+                                                        int lane) {
+  const uint32_t head = uint32_t(first) + first_slot(order);
+#if defined(MOEEXT_HAS_WARP_REDUX)
+  // Ballot, not a second reduction: which lane drops is known a few instructions after the
+  // maximum, and the winner's expert (a shuffle) is off the path to the next round.
+  const uint32_t best = warp_reduce_max(value[0]);
+  const bool holds = value[0] == best;
+  const LaneMask holders = ballot(holds);
+  const bool drops = holds && (holders & ((LaneMask(1) << lane) - 1)) == 0;
+  const uint32_t id = shfl(head, __ffs(holders) - 1);
+#else
+  (void)lane;
+  const uint32_t id = key_index(butterfly_max<kWarpSize>(key_from_ordered(value[0], head)));
+  const bool drops = head == id;
+#endif
+  drop_first_if(drops, value, order);
+  return id;
 }
 
 // out[i] = ptr[i] widened, in loads of chunk_load_bytes(kCount, sizeof(T)) bytes.
@@ -225,7 +262,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   const int64_t counted_end = kOptions ? counted_rows(p.options, p.num_tokens) : 0;
   for (int64_t token = block_index() * warps_per_block + warp; token < p.num_tokens;
        token += args.token_step) {
-    if constexpr (kVariant >= 2) {
+    if constexpr (variant_prefetches(kVariant)) {
       const int64_t next = token + args.token_step;
       if (next < p.num_tokens) {
         const LogitT* next_row =
@@ -313,11 +350,20 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // winner; the weights are gathered after the last round, keeping a shuffle off each
     // round's path.
     uint32_t chosen_id = 0;
-    for (int j = 0; j < topk; ++j) {
-      const uint32_t id = round_winner<kWarpSize, V, (kVariant >= 1)>(value, first);
+    if constexpr (variant_sorts_lanes(kVariant, V)) {
+      SlotOrder<V> order = sort_lane(value);
+      for (int j = 0; j < topk; ++j) {
+        const uint32_t id = sorted_round_winner<kWarpSize>(value, order, first, lane);
+        chosen_id = lane == j ? id : chosen_id;
+      }
+    } else {
+      for (int j = 0; j < topk; ++j) {
+        const uint32_t id =
+            round_winner<kWarpSize, V, variant_takes_min_tree(kVariant)>(value, first);
 #pragma unroll
-      for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
-      chosen_id = lane == j ? id : chosen_id;
+        for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
+        chosen_id = lane == j ? id : chosen_id;
+      }
     }
     // The owner of expert e holds s[e % V]; one independent shuffle per slot.
     float chosen_weight = 0.0f;
@@ -331,7 +377,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     chosen_weight = weight_of_score(chosen_weight);
     // Every lane adds the weights in winning order, the CPU's summation order.
     float sum = 0.0f;
-    if constexpr (kVariant >= 1) {
+    if constexpr (variant_sums_topk_lanes(kVariant)) {
       // Lanes [0, topk) only, in runs of 8 independent shuffles: the same additions in the
       // same order, without the kWarpSize - topk shuffles and selects past topk.
       for (int run = 0; run < topk; run += 8) {

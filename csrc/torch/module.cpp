@@ -100,7 +100,9 @@ PYBIND11_MODULE(_C, m) {
         [](int variant) {
           if (variant < 0 || variant >= moeext::kGpuRoutingVariants) {
             throw py::value_error("_set_gpu_routing_variant: variant must be 0 (the current "
-                                  "kernel), 1 or 2, got " + std::to_string(variant));
+                                  "kernel) to " +
+                                  std::to_string(moeext::kGpuRoutingVariants - 1) + ", got " +
+                                  std::to_string(variant));
           }
           return moeext::set_gpu_routing_variant(variant);
         },

@@ -96,8 +96,11 @@ bool gpu_programmatic_dependent_launch_supported();
 // set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch,
 // so a CUDA graph keeps the variant that was set while it was captured.
 //   1: the argmax rounds' second reduction over a tree, the weight sum over topk lanes only;
-//   2: 1, and each lane prefetches its logits of the warp's next token into L2 (CUDA only).
-constexpr int kGpuRoutingVariants = 3;
+//   2: 1, and each lane prefetches its logits of the warp's next token into L2 (CUDA only);
+//   3: 1, with each lane's experts sorted once a token (up to 16 a lane; wider lanes run 1),
+//      so that an argmax round compares the lanes' first experts only;
+//   4: 3, with 2's prefetch.
+constexpr int kGpuRoutingVariants = 5;
 namespace detail {
 inline std::atomic<int>& routing_variant_flag() {
   static std::atomic<int> variant{0};
