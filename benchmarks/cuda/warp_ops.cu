@@ -1,10 +1,10 @@
 // What the routing warp kernel's steps cost on the GPU it runs on (issue #51): the latency of
 // each warp operation an argmax round is made of, in a dependent chain on one warp, and its
 // throughput with every multiprocessor full, in warp operations per cycle per
-// multiprocessor. The argmax round and the sigmoid are the kernel's own functions
-// (csrc/gpu/grouped_topk_warp.h, grouped_topk_device.h), the current one and the variant
-// (kVariant). Cycles are the multiprocessor's own (clock64), so the figures do not depend on
-// the clock the GPU runs at.
+// multiprocessor. The argmax rounds and the sigmoid are the kernel's own functions
+// (csrc/gpu/grouped_topk_warp.h, grouped_topk_device.h): the current round, variant 1's (a
+// tree of minimums) and variant 3's (sorted lanes) (kVariant). Cycles are the
+// multiprocessor's own (clock64), so the figures do not depend on the clock the GPU runs at.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc benchmarks/cuda/warp_ops.cu \
 //        -o warp_ops && ./warp_ops
@@ -30,6 +30,9 @@ namespace {
 using moeext::ScoringFunc;
 using moeext::gpu::grouped_topk::elementwise_score;
 using moeext::gpu::grouped_topk::round_winner;
+using moeext::gpu::grouped_topk::SlotOrder;
+using moeext::gpu::grouped_topk::sort_lane;
+using moeext::gpu::grouped_topk::sorted_round_winner;
 
 constexpr int kWarp = 32;
 constexpr int kThreads = 256;
@@ -99,7 +102,7 @@ struct OpChain {
 // One argmax round of the warp kernel: the winner of V experts a lane, then its removal, as
 // route_tokens_per_warp does. The values are refilled from the winner every topk = 8 rounds,
 // so each round has experts in play.
-template <int kV, bool kVariant>
+template <int kV, bool kTree>
 struct Round {
   static constexpr int V = kV;
   static constexpr int kRefill = 8;
@@ -109,7 +112,7 @@ struct Round {
     for (int i = 0; i < V; ++i) value[i] = (seed * 2654435761u + uint32_t(i) * 40503u) | 1u;
   }
   __device__ uint32_t step(int first) {
-    const uint32_t id = round_winner<kWarp, V, kVariant>(value, first);
+    const uint32_t id = round_winner<kWarp, V, kTree>(value, first);
 #pragma unroll
     for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
     return id;
@@ -117,48 +120,22 @@ struct Round {
   __device__ uint32_t result() const { return value[0]; }
 };
 
-// A candidate not in the kernel: each lane sorts its 8 experts once per token (Batcher's
-// 19-comparator network on (value, expert), larger value first, the lower expert first on a
-// tie), after which a round compares the lanes' heads only: the largest head, the least
-// expert among the lanes whose head it is, and that lane shifts its list by one. The same
-// winner as round_winner's. Refilled (and sorted again) every 8 rounds, as a token's.
-struct SortedRound8 {
-  static constexpr int V = 8;
+// The argmax round of variant 3 (sorted lanes): each lane sorts its V experts once a token
+// (sort_lane, refill included), after which a round compares the lanes' first experts only
+// (sorted_round_winner). The same winner as round_winner's.
+template <int kV>
+struct SortedRound {
+  static constexpr int V = kV;
   static constexpr int kRefill = 8;
   uint32_t value[V];
-  uint32_t expert[V];
-  __device__ void order(int a, int b) {
-    const bool swap = value[b] > value[a] || (value[b] == value[a] && expert[b] < expert[a]);
-    const uint32_t va = value[a], ea = expert[a];
-    value[a] = swap ? value[b] : va;
-    expert[a] = swap ? expert[b] : ea;
-    value[b] = swap ? va : value[b];
-    expert[b] = swap ? ea : expert[b];
-  }
+  SlotOrder<V> order;
   __device__ void fill(uint32_t seed) {
-    const uint32_t first = lane_id() * V;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      value[i] = (seed * 2654435761u + uint32_t(i) * 40503u) | 1u;
-      expert[i] = first + uint32_t(i);
-    }
-    constexpr int kPairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6},
-                                   {5, 7}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {3, 7},
-                                   {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
-#pragma unroll
-    for (int k = 0; k < 19; ++k) order(kPairs[k][0], kPairs[k][1]);
+    for (int i = 0; i < V; ++i) value[i] = (seed * 2654435761u + uint32_t(i) * 40503u) | 1u;
+    order = sort_lane(value);
   }
-  __device__ uint32_t step(int) {
-    const uint32_t best = __reduce_max_sync(kAll, value[0]);
-    const uint32_t id = __reduce_min_sync(kAll, value[0] == best ? expert[0] : 0xffffffffu);
-    const bool mine = expert[0] == id;
-#pragma unroll
-    for (int i = 0; i + 1 < V; ++i) {
-      value[i] = mine ? value[i + 1] : value[i];
-      expert[i] = mine ? expert[i + 1] : expert[i];
-    }
-    value[V - 1] = mine ? 0u : value[V - 1];
-    return id;
+  __device__ uint32_t step(int first) {
+    return sorted_round_winner<kWarp>(value, order, first, int(lane_id()));
   }
   __device__ uint32_t result() const { return value[0]; }
 };
@@ -339,10 +316,11 @@ int main() {
   op_row<ReduxMin>(sms, kBlocksPerSm);
   op_row<Sigmoid>(sms, kBlocksPerSm);
   row<Round<8, false>>(sms, kBlocksPerSm, "argmax round, 8 a lane, current");
-  row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant");
-  row<SortedRound8>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted lanes");
+  row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant 1");
+  row<SortedRound<8>>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted (3)");
   row<Round<12, false>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current");
-  row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant");
+  row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant 1");
+  row<SortedRound<12>>(sms, kBlocksPerSm, "argmax round, 12 a lane, sorted (3)");
   row<InsertTop8>(sms, kBlocksPerSm, "one thread: insert into a sorted top-8");
   return 0;
 }
