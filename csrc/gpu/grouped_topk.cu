@@ -20,10 +20,14 @@
 // and templating on it would triple the instances for no gain outside the scoring loop.
 //
 // This file is the host side: the launch configuration of each kernel and the dispatch from
-// run-time dtypes and warp width to the kernel instances.
+// run-time dtypes and warp width to the kernel instances (the warp kernel's in
+// grouped_topk_launch.h), and the hand-over to the warp kernel's variants
+// (grouped_topk_variants.h) while one is set.
 #include "gpu/compat.h"
 #include "gpu/grouped_topk_block.h"
+#include "gpu/grouped_topk_launch.h"
 #include "gpu/grouped_topk_plan.h"
+#include "gpu/grouped_topk_variants.h"
 #include "gpu/grouped_topk_warp.h"
 #include "moeext/grouped_topk.h"
 
@@ -31,56 +35,18 @@ namespace moeext {
 namespace gpu::grouped_topk {
 namespace {
 
-using Kernel = void (*)(KernelArgs);
-
-GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, void* stream,
-                KernelArgs args) {
-  return launch_dependent(kernel, dim3(unsigned(blocks)), dim3(unsigned(threads)),
-                          size_t(smem_bytes), as_stream(stream), args);
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, int kVariant>
-Kernel warp_kernel(int experts_per_lane) {
-  return pick_experts_per_lane<kWarpSize, Kernel>(experts_per_lane, nullptr, [](auto v) {
-    return Kernel(grouped_topk_warp_kernel<kWarpSize, decltype(v)::value, LogitT, BiasT,
-                                           kOptions, kVariant>);
-  });
-}
-
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
-  const int64_t num_tokens = args.p.num_tokens;
-  const int64_t sms = multiprocessor_count_of_current_device();
   if (plan.experts_per_lane != 0) {
-    // One warp per multiprocessor while the batch is small (decode: each token's latency is
-    // the cost), more warps per block as it grows; the grid then loops over the tokens.
-    constexpr int64_t kMaxWarpsPerBlock = kMaxThreadsPerBlock / kWarpSize;
-    int64_t warps_per_block = ceil_div(num_tokens, sms);
-    if (warps_per_block > kMaxWarpsPerBlock) warps_per_block = kMaxWarpsPerBlock;
-    int64_t blocks = ceil_div(num_tokens, warps_per_block);
-    if (blocks > sms * 16) blocks = sms * 16;
-    args.warps_per_block = int(warps_per_block);
-    args.token_step = blocks * warps_per_block;
-    // The variants (moeext::gpu_routing_variant) have plain instances only.
-    const int v = plan.experts_per_lane;
-    Kernel kernel = warp_kernel<kWarpSize, LogitT, BiasT, kOptions, 0>(v);
-    if constexpr (!kOptions) {
-      const int variant = gpu_routing_variant();
-      if (variant == 1) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 1>(v);
-      if (variant == 2) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 2>(v);
-      if (variant == 3) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 3>(v);
-      if (variant == 4) kernel = warp_kernel<kWarpSize, LogitT, BiasT, false, 4>(v);
-    }
-    if (kernel == nullptr) return "biased_grouped_topk: no warp kernel for this plan (internal error)";
-    return launch(kernel, blocks, int(warps_per_block * kWarpSize),
-                  fast_smem_bytes(plan, args.p.num_experts, warps_per_block), stream, args);
+    return launch_warp_kernel<kWarpSize>(
+        warp_kernel<kWarpSize, LogitT, BiasT, kOptions, 0>(plan.experts_per_lane), args, plan,
+        stream);
   }
+  const int64_t sms = multiprocessor_count_of_current_device();
   constexpr int kWarps = kGeneralThreads / kWarpSize;
   const GeneralSmemLayout layout =
       general_smem_layout(args.p.num_experts, args.p.num_expert_group, kWarps);
-  int64_t blocks = num_tokens;
+  int64_t blocks = args.p.num_tokens;
   if (blocks > sms * 8) blocks = sms * 8;
   args.warps_per_block = kWarps;
   args.token_step = blocks;
@@ -90,33 +56,27 @@ GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
 }
 
 // The options select their own instances (kOptions), so a plain call runs no code of theirs.
-template <int kWarpSize, typename LogitT, typename BiasT>
-GpuError launch_for_options(const KernelArgs& args, const FastPathPlan& plan, void* stream) {
-  if (args.p.options.any()) return launch_typed<kWarpSize, LogitT, BiasT, true>(args, plan, stream);
-  return launch_typed<kWarpSize, LogitT, BiasT, false>(args, plan, stream);
-}
-
-template <int kWarpSize, typename LogitT>
-GpuError launch_for_bias(const KernelArgs& args, const FastPathPlan& plan, void* stream) {
-  if (args.p.correction_bias == nullptr) {
-    return launch_for_options<kWarpSize, LogitT, NoBias>(args, plan, stream);
-  }
-  switch (args.p.bias_dtype) {
-    case DType::kFloat32: return launch_for_options<kWarpSize, LogitT, float>(args, plan, stream);
-    case DType::kBFloat16: return launch_for_options<kWarpSize, LogitT, bf16>(args, plan, stream);
-    case DType::kFloat16: return launch_for_options<kWarpSize, LogitT, fp16>(args, plan, stream);
-  }
-  return "biased_grouped_topk: unknown correction_bias dtype";
-}
-
 template <int kWarpSize>
-GpuError launch_for_logits(const KernelArgs& args, const FastPathPlan& plan, void* stream) {
-  switch (args.p.gating_dtype) {
-    case DType::kFloat32: return launch_for_bias<kWarpSize, float>(args, plan, stream);
-    case DType::kBFloat16: return launch_for_bias<kWarpSize, bf16>(args, plan, stream);
-    case DType::kFloat16: return launch_for_bias<kWarpSize, fp16>(args, plan, stream);
+GpuError launch_for_width(const KernelArgs& args, const FastPathPlan& plan, void* stream) {
+  return visit_dtypes(args.p, [&](auto logits, auto bias) {
+    using LogitT = typename decltype(logits)::type;
+    using BiasT = typename decltype(bias)::type;
+    if (args.p.options.any()) {
+      return launch_typed<kWarpSize, LogitT, BiasT, true>(args, plan, stream);
+    }
+    return launch_typed<kWarpSize, LogitT, BiasT, false>(args, plan, stream);
+  });
+}
+
+GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& params,
+                                void* stream) {
+  switch (variant) {
+    case 1: return launch_routing_variant_1(params, stream);
+    case 2: return launch_routing_variant_2(params, stream);
+    case 3: return launch_routing_variant_3(params, stream);
+    case 4: return launch_routing_variant_4(params, stream);
   }
-  return "biased_grouped_topk: unknown gating_output dtype";
+  return "biased_grouped_topk: no such routing variant (internal error)";
 }
 
 // "<prefix><value><suffix>" into a per-thread buffer (the message outlives the call).
@@ -167,15 +127,15 @@ GpuError biased_grouped_topk_gpu(const BiasedGroupedTopkParams& params, void* st
   if (params.num_tokens <= 0) return nullptr;
   if (const char* limit = biased_grouped_topk_gpu_limit(params)) return limit;
   const int warp_size = gpu::warp_size_of_current_device();
-  KernelArgs args;
-  args.p = params;
-  args.group_size = int(params.num_experts / params.num_expert_group);
-  const FastPathPlan plan = plan_fast_path(warp_size, params.num_experts, params.num_expert_group,
-                                           params.topk_group, params.topk);
-  args.lanes_per_group = plan.lanes_per_group;
-  args.group_scores_in_registers = plan.group_scores_in_registers;
-  if (warp_size == 64) return launch_for_logits<64>(args, plan, stream);
-  return launch_for_logits<32>(args, plan, stream);
+  const FastPathPlan plan = plan_for(params, warp_size);
+  // The variants (moeext::gpu_routing_variant) have plain warp kernel instances only.
+  const int variant = gpu_routing_variant();
+  if (variant != 0 && plan.experts_per_lane != 0 && !params.options.any()) {
+    return launch_routing_variant(variant, params, stream);
+  }
+  const KernelArgs args = kernel_args(params, plan);
+  if (warp_size == 64) return launch_for_width<64>(args, plan, stream);
+  return launch_for_width<32>(args, plan, stream);
 }
 
 }  // namespace moeext

@@ -1,0 +1,96 @@
+// The host side of launching the biased grouped top-k warp kernel, shared by grouped_topk.cu
+// (the kernels every call runs) and grouped_topk_variant<n>.cu (the warp kernel's variants,
+// one translation unit each so that they build in parallel): the kernel's arguments, its
+// launch shape for a batch, and the dispatch from run-time dtypes to template types.
+#pragma once
+
+#include "gpu/compat.h"
+#include "gpu/grouped_topk_plan.h"
+#include "gpu/grouped_topk_warp.h"
+#include "moeext/grouped_topk.h"
+
+namespace moeext::gpu::grouped_topk {
+namespace {
+
+using Kernel = void (*)(KernelArgs);
+
+GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, void* stream,
+                KernelArgs args) {
+  return launch_dependent(kernel, dim3(unsigned(blocks)), dim3(unsigned(threads)),
+                          size_t(smem_bytes), as_stream(stream), args);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+FastPathPlan plan_for(const BiasedGroupedTopkParams& params, int warp_size) {
+  return plan_fast_path(warp_size, params.num_experts, params.num_expert_group,
+                        params.topk_group, params.topk);
+}
+
+// What the kernels are launched with, but for the launch shape (launch_warp_kernel's, or the
+// block kernel's).
+KernelArgs kernel_args(const BiasedGroupedTopkParams& params, const FastPathPlan& plan) {
+  KernelArgs args;
+  args.p = params;
+  args.group_size = int(params.num_experts / params.num_expert_group);
+  args.lanes_per_group = plan.lanes_per_group;
+  args.group_scores_in_registers = plan.group_scores_in_registers;
+  return args;
+}
+
+template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, int kVariant>
+Kernel warp_kernel(int experts_per_lane) {
+  return pick_experts_per_lane<kWarpSize, Kernel>(experts_per_lane, nullptr, [](auto v) {
+    return Kernel(grouped_topk_warp_kernel<kWarpSize, decltype(v)::value, LogitT, BiasT,
+                                           kOptions, kVariant>);
+  });
+}
+
+// Launches a warp kernel instance for the plan's width. One warp per multiprocessor while
+// the batch is small (decode: each token's latency is the cost), more warps per block as it
+// grows; the grid then loops over the tokens.
+template <int kWarpSize>
+GpuError launch_warp_kernel(Kernel kernel, KernelArgs args, const FastPathPlan& plan,
+                            void* stream) {
+  if (kernel == nullptr) return "biased_grouped_topk: no warp kernel for this plan (internal error)";
+  const int64_t num_tokens = args.p.num_tokens;
+  const int64_t sms = multiprocessor_count_of_current_device();
+  constexpr int64_t kMaxWarpsPerBlock = kMaxThreadsPerBlock / kWarpSize;
+  int64_t warps_per_block = ceil_div(num_tokens, sms);
+  if (warps_per_block > kMaxWarpsPerBlock) warps_per_block = kMaxWarpsPerBlock;
+  int64_t blocks = ceil_div(num_tokens, warps_per_block);
+  if (blocks > sms * 16) blocks = sms * 16;
+  args.warps_per_block = int(warps_per_block);
+  args.token_step = blocks * warps_per_block;
+  return launch(kernel, blocks, int(warps_per_block * kWarpSize),
+                fast_smem_bytes(plan, args.p.num_experts, warps_per_block), stream, args);
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// f(TypeTag<LogitT>{}, TypeTag<BiasT>{}) for the call's logits and bias dtypes (NoBias
+// without a bias).
+template <typename F>
+GpuError visit_dtypes(const BiasedGroupedTopkParams& p, const F& f) {
+  const auto with_bias = [&](auto logits) -> GpuError {
+    if (p.correction_bias == nullptr) return f(logits, TypeTag<NoBias>{});
+    switch (p.bias_dtype) {
+      case DType::kFloat32: return f(logits, TypeTag<float>{});
+      case DType::kBFloat16: return f(logits, TypeTag<bf16>{});
+      case DType::kFloat16: return f(logits, TypeTag<fp16>{});
+    }
+    return "biased_grouped_topk: unknown correction_bias dtype";
+  };
+  switch (p.gating_dtype) {
+    case DType::kFloat32: return with_bias(TypeTag<float>{});
+    case DType::kBFloat16: return with_bias(TypeTag<bf16>{});
+    case DType::kFloat16: return with_bias(TypeTag<fp16>{});
+  }
+  return "biased_grouped_topk: unknown gating_output dtype";
+}
+
+}  // namespace
+}  // namespace moeext::gpu::grouped_topk

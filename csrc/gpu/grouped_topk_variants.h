@@ -1,0 +1,44 @@
+// The routing warp kernel's variants (kVariant of grouped_topk_warp.h, listed at
+// moeext::gpu_routing_variant): the plain instances of each in a translation unit of its own,
+// grouped_topk_variant<n>.cu, so that they build in parallel with each other and with the
+// kernels every call runs (grouped_topk.cu), and go with their file once one has won.
+#pragma once
+
+#include <type_traits>
+
+#include "gpu/grouped_topk_launch.h"
+#include "moeext/grouped_topk.h"
+
+namespace moeext::gpu::grouped_topk {
+
+// Routes `params` with variant n's warp kernel: a call without options whose topology the warp
+// kernel takes (plan_fast_path).
+GpuError launch_routing_variant_1(const BiasedGroupedTopkParams& params, void* stream);
+GpuError launch_routing_variant_2(const BiasedGroupedTopkParams& params, void* stream);
+GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* stream);
+GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
+
+namespace {
+
+// launch_routing_variant_<kVariant>'s body, instantiated in its file only.
+template <int kVariant>
+GpuError launch_plain_variant(const BiasedGroupedTopkParams& params, void* stream) {
+  const int warp_size = warp_size_of_current_device();
+  const FastPathPlan plan = plan_for(params, warp_size);
+  const KernelArgs args = kernel_args(params, plan);
+  const auto launch_for_width = [&](auto width) {
+    constexpr int kWarpSize = decltype(width)::value;
+    return visit_dtypes(params, [&](auto logits, auto bias) {
+      using LogitT = typename decltype(logits)::type;
+      using BiasT = typename decltype(bias)::type;
+      return launch_warp_kernel<kWarpSize>(
+          warp_kernel<kWarpSize, LogitT, BiasT, false, kVariant>(plan.experts_per_lane), args,
+          plan, stream);
+    });
+  };
+  if (warp_size == 64) return launch_for_width(std::integral_constant<int, 64>{});
+  return launch_for_width(std::integral_constant<int, 32>{});
+}
+
+}  // namespace
+}  // namespace moeext::gpu::grouped_topk
