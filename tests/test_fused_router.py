@@ -378,7 +378,7 @@ def test_direct_call_is_the_op(device):
 # ---- The GPU's one launch: its completion counter --------------------------------------------
 
 @pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
-def test_repeated_calls_on_two_streams():
+def test_repeated_calls_on_two_cuda_streams():
     # Each call resets its counter; calls on two streams at once use a counter each.
     p = PRESETS["deepseek-v3"]
     inputs = [make_inputs(t, 7168, "deepseek-v3", seed=t, device="cuda") for t in (1, 3, 16)]
