@@ -16,6 +16,11 @@ architecture:
     check) has at least one such instance;
   * older architectures: no ACQBULK or PREEXIT at all.
 Instances compiled empty (another target's warp width) touch nothing and need neither.
+An L2 prefetch (CCTL.E.PF2, PTX prefetch.global.L2) may come before the wait: it returns
+nothing to the thread and only brings lines into L2, where the grid before stores what it
+writes, so what is loaded after the wait is as current as without it (the router GEMM's
+variant 1 asks for its weight rows so). An L1 prefetch (PF1) counts as an access: L1 is not
+kept coherent with other multiprocessors' stores.
 """
 
 import re
@@ -28,17 +33,21 @@ DEPENDENT_KERNELS = ("grouped_topk_warp_kernel", "grouped_topk_block_kernel",
 
 ARCH = re.compile(r"^\s*arch = sm_(\d+)")
 FUNCTION = re.compile(r"^\s*Function : (\S+)")
-# "/*0040*/  @!P0 LDG.E.64 R2, desc[UR4][R2.64] ;": the offset, then the opcode after any guard.
-INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+# "/*0040*/  @!P0 LDG.E.64 R2, desc[UR4][R2.64] ;": the offset, then the opcode after any guard,
+# then its modifiers.
+INSTRUCTION = re.compile(
+    r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 # Memory outside shared memory: global and generic loads, stores, atomics, reductions, copies.
 MEMORY = {"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED", "REDG", "REDUX_G", "LDGSTS",
           "UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "UTMAREDG", "CCTL"}
 TRANSFER = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BREAK", "BPT"}
 WAIT, TRIGGER = "ACQBULK", "PREEXIT"
+PREFETCH = "PREFETCH"  # CCTL.E.PF2, into L2 only: neither a memory access here nor a transfer
 
 
 def functions(cuobjdump, binary):
-    """(arch number, mangled name, [(offset, opcode)]) for every function in binary."""
+    """(arch number, mangled name, [(offset, opcode)]) for every function in binary; an L2
+    prefetch's opcode is PREFETCH."""
     text = subprocess.run([cuobjdump, "-sass", binary], capture_output=True, text=True,
                           check=True).stdout
     found, arch, current = [], None, None
@@ -49,7 +58,10 @@ def functions(cuobjdump, binary):
             current = (arch, m.group(1), [])
             found.append(current)
         elif current is not None and (m := INSTRUCTION.match(line)):
-            current[2].append((int(m.group(1), 16), m.group(2)))
+            opcode = m.group(2)
+            if opcode == "CCTL" and re.search(r"\.PF2\b", m.group(3)):
+                opcode = PREFETCH
+            current[2].append((int(m.group(1), 16), opcode))
     return found
 
 

@@ -640,3 +640,30 @@ def test_out_form_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert_equal((weights, ids), (expected_weights, expected_ids))
     assert torch.equal(counts, expected_counts)
+
+
+# ---- The router GEMM's variants in the one launch ---------------------------------------------
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
+def test_router_gemm_variant_gives_the_same_fused_router_on_cuda(preset, pdl):
+    """The router GEMM's variant 1 (moeext._C._set_gpu_router_gemm_variant: the weight asked of
+    L2 before the grid wait) in the plain one-launch kernel: the same bits as variant 0 for
+    every token tile, with and without programmatic dependent launch, back to back."""
+    p = PRESETS[preset]
+    inputs = [make_inputs(t, 7168, preset, seed=t, device="cuda") for t in (1, 2, 3, 8, 13, 16)]
+    inputs.append(make_inputs(5, 7168, preset, seed=5, device="cuda", bias_dtype=None))
+    previous_pdl = moeext.set_programmatic_dependent_launch(pdl)
+    previous = moeext._C._set_gpu_router_gemm_variant(0)
+    try:
+        current = [moeext.fused_router(h, w, b, **p.op_kwargs(), return_logits=True)
+                   for h, w, b in inputs]
+        moeext._C._set_gpu_router_gemm_variant(1)
+        other = [moeext.fused_router(h, w, b, **p.op_kwargs(), return_logits=True)
+                 for h, w, b in inputs]
+    finally:
+        moeext._C._set_gpu_router_gemm_variant(previous)
+        moeext.set_programmatic_dependent_launch(previous_pdl)
+    for got, expected in zip(other, current):
+        assert_equal(got, expected)

@@ -1,5 +1,6 @@
 """moeext.router_gemm against the fp64 reference (SPEC.md section 2)."""
 
+import contextlib
 import math
 
 import pytest
@@ -526,3 +527,59 @@ def test_direct_call_errors_are_the_ops():
         with pytest.raises(RuntimeError) as got:
             moeext._C.call_router_gemm(*args)
         assert str(got.value) == str(expected.value)
+
+
+# ---- The router GEMM's variants (moeext._C._set_gpu_router_gemm_variant) ---------------------
+
+@contextlib.contextmanager
+def router_gemm_variant(variant):
+    previous = moeext._C._set_gpu_router_gemm_variant(variant)
+    try:
+        yield
+    finally:
+        moeext._C._set_gpu_router_gemm_variant(previous)
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
+    reason="needs a GPU and a moeext built for it"))])
+@pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+def test_router_gemm_variant_is_the_current_kernel(device, dtype, out_dtype, pdl):
+    """Variant 1 (the weight asked of L2 before the grid wait) gives the current kernel's bits:
+    every token tile, odd gates and hidden sizes, strided rows, a hidden size of 0, with and
+    without programmatic dependent launch, calls back to back on the stream."""
+    cases = [(t, 7168, 256) for t in (1, 2, 3, 5, 8, 9, 16)]
+    cases += [(4, 6144, 384), (1, 1000, 7), (11, 8, 160), (3, 0, 5), (2, 32776, 3)]
+    inputs = []
+    for num_tokens, hidden_size, num_experts in cases:
+        hidden, weight = make_inputs(num_tokens, hidden_size, num_experts, dtype,
+                                     seed=num_tokens + hidden_size, device=device)
+        inputs.append((hidden, weight))
+    wide, weight = make_inputs(6, 2 * 7168, 256, dtype, seed=1, device=device)
+    inputs.append((wide[:, 7168:], weight[:, :7168]))
+    previous = moeext.set_programmatic_dependent_launch(pdl)
+    try:
+        with router_gemm_variant(0):
+            current = [moeext.router_gemm(h, w, out_dtype) for h, w in inputs]
+        with router_gemm_variant(1):
+            other = [moeext.router_gemm(h, w, out_dtype) for h, w in inputs]
+    finally:
+        moeext.set_programmatic_dependent_launch(previous)
+    for (h, w), a, b in zip(inputs, current, other):
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32)), \
+            (tuple(h.shape), tuple(w.shape))
+
+
+def test_router_gemm_variant_switch_returns_the_previous_one_and_refuses_others():
+    previous = moeext._C._set_gpu_router_gemm_variant(1)
+    try:
+        assert moeext._C._set_gpu_router_gemm_variant(0) == 1
+        for bad in (-1, 2):
+            with pytest.raises(ValueError, match=f"_set_gpu_router_gemm_variant: variant must be "
+                               f"0 .* to 1, got {bad}"):
+                moeext._C._set_gpu_router_gemm_variant(bad)
+        assert moeext._C._set_gpu_router_gemm_variant(0) == 0  # a refused value changes nothing
+    finally:
+        moeext._C._set_gpu_router_gemm_variant(previous)

@@ -65,13 +65,18 @@ __device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks
   return last;
 }
 
-// One instance per (tokens, warp width, experts per lane, bias dtype, options); the input is
-// bfloat16 and the logits fp32. Instances for a warp width other than the target's, or for
-// a width and experts_per_lane with no warp routing kernel, compile to an empty body.
-template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions>
+// One instance per (tokens, warp width, experts per lane, bias dtype, options, and for plain
+// calls the router GEMM's variant, moeext::gpu_router_gemm_variant); the input is bfloat16 and
+// the logits fp32. Instances for a warp width other than the target's, or for a width and
+// experts_per_lane with no warp routing kernel, compile to an empty body.
+template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions, int kGemmVariant = 0>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     fused_router_kernel(const FusedArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE && routes_in_one_launch(kWarpSize, V)) {
+    if constexpr (kGemmVariant == 1) {
+      gpu::router_gemm::prefetch_weight_rows<kTokens, gpu::bf16>(
+          args.gemm, int(gpu::grouped_topk::block_index()));
+    }
     // Before the completion counter too: the grid before this one on the stream may be
     // another fused_router launch, which shares the stream's counter and whose last block may
     // still be reading logits where this one writes its own.
@@ -89,36 +94,40 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
 using Kernel = void (*)(FusedArgs);
 
 template <int kTokens, int kWarpSize, int V, typename BiasT>
-Kernel pick_options(bool options) {
-  return options ? fused_router_kernel<kTokens, kWarpSize, V, BiasT, true>
-                 : fused_router_kernel<kTokens, kWarpSize, V, BiasT, false>;
+Kernel pick_options(bool options, bool prefetch) {
+  if (options) return fused_router_kernel<kTokens, kWarpSize, V, BiasT, true>;
+  if (prefetch) {
+    return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1>;
+  }
+  return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false>;
 }
 
 template <int kTokens, int kWarpSize, int V>
-Kernel pick_bias(bool bias, bool options) {
-  return bias ? pick_options<kTokens, kWarpSize, V, float>(options)
-              : pick_options<kTokens, kWarpSize, V, NoBias>(options);
+Kernel pick_bias(bool bias, bool options, bool prefetch) {
+  return bias ? pick_options<kTokens, kWarpSize, V, float>(options, prefetch)
+              : pick_options<kTokens, kWarpSize, V, NoBias>(options, prefetch);
 }
 
 template <int kTokens, int kWarpSize>
-Kernel pick_experts_per_lane(int experts_per_lane, bool bias, bool options) {
+Kernel pick_experts_per_lane(int experts_per_lane, bool bias, bool options, bool prefetch) {
   switch (experts_per_lane) {
-    case 4: return pick_bias<kTokens, kWarpSize, 4>(bias, options);
-    case 8: return pick_bias<kTokens, kWarpSize, 8>(bias, options);
-    case 12: return pick_bias<kTokens, kWarpSize, 12>(bias, options);
-    case 16: return pick_bias<kTokens, kWarpSize, 16>(bias, options);
+    case 4: return pick_bias<kTokens, kWarpSize, 4>(bias, options, prefetch);
+    case 8: return pick_bias<kTokens, kWarpSize, 8>(bias, options, prefetch);
+    case 12: return pick_bias<kTokens, kWarpSize, 12>(bias, options, prefetch);
+    case 16: return pick_bias<kTokens, kWarpSize, 16>(bias, options, prefetch);
     default: return nullptr;
   }
 }
 
 template <int kWarpSize>
-Kernel pick_tokens(int token_tile, int experts_per_lane, bool bias, bool options) {
+Kernel pick_tokens(int token_tile, int experts_per_lane, bool bias, bool options,
+                   bool prefetch) {
   switch (token_tile) {
-    case 1: return pick_experts_per_lane<1, kWarpSize>(experts_per_lane, bias, options);
-    case 2: return pick_experts_per_lane<2, kWarpSize>(experts_per_lane, bias, options);
-    case 4: return pick_experts_per_lane<4, kWarpSize>(experts_per_lane, bias, options);
-    case 8: return pick_experts_per_lane<8, kWarpSize>(experts_per_lane, bias, options);
-    case 16: return pick_experts_per_lane<16, kWarpSize>(experts_per_lane, bias, options);
+    case 1: return pick_experts_per_lane<1, kWarpSize>(experts_per_lane, bias, options, prefetch);
+    case 2: return pick_experts_per_lane<2, kWarpSize>(experts_per_lane, bias, options, prefetch);
+    case 4: return pick_experts_per_lane<4, kWarpSize>(experts_per_lane, bias, options, prefetch);
+    case 8: return pick_experts_per_lane<8, kWarpSize>(experts_per_lane, bias, options, prefetch);
+    case 16: return pick_experts_per_lane<16, kWarpSize>(experts_per_lane, bias, options, prefetch);
     default: return nullptr;
   }
 }
@@ -205,10 +214,12 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
 
   const bool bias = r.correction_bias != nullptr;
   const bool options = r.options.any();
+  // The router GEMM's variant 1 (plain calls only; prefetch_weight_rows needs a hidden size).
+  const bool prefetch = gpu_router_gemm_variant() == 1 && params.gemm.hidden_size > 0;
   const Kernel kernel =
       warp_size == 64
-          ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options)
-          : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options);
+          ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options, prefetch)
+          : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options, prefetch);
   if (kernel == nullptr) return "fused_router_gpu: no kernel instance for these params";
   const int64_t smem_bytes = gpu::grouped_topk::fast_smem_bytes(plan, r.num_experts, warps);
   return gpu::launch_dependent(kernel, dim3(args.blocks), dim3(kThreads), size_t(smem_bytes),

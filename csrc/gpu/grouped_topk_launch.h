@@ -52,7 +52,9 @@ Kernel warp_kernel(int experts_per_lane) {
 template <int kWarpSize>
 GpuError launch_warp_kernel(Kernel kernel, KernelArgs args, const FastPathPlan& plan,
                             void* stream) {
-  if (kernel == nullptr) return "biased_grouped_topk: no warp kernel for this plan (internal error)";
+  if (kernel == nullptr) {
+    return "biased_grouped_topk: no warp kernel for this plan (internal error)";
+  }
   const int64_t num_tokens = args.p.num_tokens;
   const int64_t sms = multiprocessor_count_of_current_device();
   constexpr int64_t kMaxWarpsPerBlock = kMaxThreadsPerBlock / kWarpSize;

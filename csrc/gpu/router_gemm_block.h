@@ -109,6 +109,44 @@ __device__ __forceinline__ void warp_reduce_scatter(const float (&v)[N], int lan
   }
 }
 
+// Lines of a weight row each thread asks L2 for in prefetch_weight_rows: 2 x 256 lines of 128
+// bytes cover rows of up to 64 KiB (hidden_size 32768 in bf16); the rest of a longer row is
+// read as it is without the hint.
+constexpr int kPrefetchLinesPerThread = 2;
+
+// Into L2, block `block`'s weight rows, before the kernel waits for the grid before it (the
+// router GEMM's variant 1, moeext::gpu_router_gemm_variant): with programmatic dependent
+// launch the weight then streams from memory while that grid finishes, and the loads after
+// the wait find it in L2. A prefetch returns nothing to the thread, and L2 is where every
+// grid's stores land, so what the loads read after the wait is what they read without it.
+// Every thread asks for kPrefetchLinesPerThread addresses in every row, those past the row's
+// end for its last byte, with no branch (the grid-dependency check then sees no path around
+// the wait). Needs hidden_size > 0 (the launchers run variant 0 otherwise). CUDA only: a
+// hint, nothing else changes.
+template <int kTokens, typename In>
+__device__ __forceinline__ void prefetch_weight_rows(const RouterGemmParams& p, int block) {
+#if !defined(MOEEXT_HIP)
+  constexpr int kExperts = gpu::router_gemm_experts_per_block(kTokens);
+  constexpr int kLine = 128;
+  const int64_t row_bytes = p.hidden_size * int64_t(sizeof(In));
+#pragma unroll
+  for (int i = 0; i < kExperts; ++i) {
+    // The last block's experts past the gate repeat the last one, as compute_logits_block's.
+    const int64_t e = min(int64_t(block) * kExperts + i, p.num_experts - 1);
+    const char* row = static_cast<const char*>(p.weight) +
+                      e * p.weight_row_stride * int64_t(sizeof(In));
+#pragma unroll
+    for (int k = 0; k < kPrefetchLinesPerThread; ++k) {
+      // Offsets a line apart, then the row's last byte: every line the row touches.
+      const int64_t at = int64_t(threadIdx.x + k * kThreads) * kLine;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + (at < row_bytes ? at : row_bytes - 1)));
+    }
+  }
+#else
+  (void)p, (void)block;
+#endif
+}
+
 // Block `block`'s logits, written to p.logits. A __syncthreads inside: every thread of the
 // block calls it.
 template <int kTokens, int kWarpSize, typename In, typename Out>

@@ -50,6 +50,15 @@ std::vector<std::string> available_isas() {
   return isas;
 }
 
+// A developers' A/B switch (moeext/common.h): refuses a variant outside [0, count), naming it.
+int checked_variant(const char* setter, int variant, int count) {
+  if (variant < 0 || variant >= count) {
+    throw py::value_error(std::string(setter) + ": variant must be 0 (the current kernel) to " +
+                          std::to_string(count - 1) + ", got " + std::to_string(variant));
+  }
+  return variant;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -98,17 +107,21 @@ PYBIND11_MODULE(_C, m) {
         "dependent launch; returns the previous setting.");
   m.def("_set_gpu_routing_variant",
         [](int variant) {
-          if (variant < 0 || variant >= moeext::kGpuRoutingVariants) {
-            throw py::value_error("_set_gpu_routing_variant: variant must be 0 (the current "
-                                  "kernel) to " +
-                                  std::to_string(moeext::kGpuRoutingVariants - 1) + ", got " +
-                                  std::to_string(variant));
-          }
-          return moeext::set_gpu_routing_variant(variant);
+          return moeext::set_gpu_routing_variant(checked_variant(
+              "_set_gpu_routing_variant", variant, moeext::kGpuRoutingVariants));
         },
         py::arg("variant"),
         "Developers' A/B switch: which warp kernel the plain GPU routing calls run, 0 (the\n"
         "current one) or a variant of the same bits; returns the previous one.");
+  m.def("_set_gpu_router_gemm_variant",
+        [](int variant) {
+          return moeext::set_gpu_router_gemm_variant(checked_variant(
+              "_set_gpu_router_gemm_variant", variant, moeext::kGpuRouterGemmVariants));
+        },
+        py::arg("variant"),
+        "Developers' A/B switch: which small-T router GEMM kernel (and plain fused router\n"
+        "kernel) GPU calls run, 0 (the current one) or a variant of the same bits; returns the\n"
+        "previous one.");
   m.def("programmatic_dependent_launch_supported", [] {
 #if defined(MOEEXT_GPU_BACKEND)
     return moeext::gpu_programmatic_dependent_launch_supported();

@@ -117,4 +117,26 @@ inline int set_gpu_routing_variant(int variant) {
   return detail::routing_variant_flag().exchange(variant, std::memory_order_relaxed);
 }
 
+// The variants of the small-T router GEMM kernel, and of the fused router's plain kernel that
+// computes its logits the same way (router_gemm_block.h, kVariant), on the same terms as the
+// routing variants above (bench_cuda.py --only router_gemm_variant):
+//   1: each block asks L2 for its weight rows before it waits for the grid before it, so that
+//      with PDL the weight streams from memory while that grid finishes (CUDA only).
+constexpr int kGpuRouterGemmVariants = 2;
+namespace detail {
+inline std::atomic<int>& router_gemm_variant_flag() {
+  static std::atomic<int> variant{0};
+  return variant;
+}
+}  // namespace detail
+
+inline int gpu_router_gemm_variant() {
+  return detail::router_gemm_variant_flag().load(std::memory_order_relaxed);
+}
+// Sets the variant (0 <= variant < kGpuRouterGemmVariants, checked by the caller); returns the
+// previous one.
+inline int set_gpu_router_gemm_variant(int variant) {
+  return detail::router_gemm_variant_flag().exchange(variant, std::memory_order_relaxed);
+}
+
 }  // namespace moeext
