@@ -5,8 +5,9 @@
 #      otherwise), moeext's GPU tests;
 #   2. benchmarks/python/bench_fused_router_peers.py: fused_router against every peer
 #      router GEMM + routing pair, with issue #53's verdicts;
-#   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's variants against
-#      the current kernel (bit for bit first, a box of their own), then the routing options'
+#   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's and the router
+#      GEMM's variants against the current kernels (bit for bit first, a box of their own,
+#      the GEMM's in both launch modes), then the routing options'
 #      overhead, the fused router's out= form and routing, moeext with PDL off and on (rows
 #      print as timed);
 #   3b. benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of the warp
@@ -23,7 +24,7 @@
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=265 FUSED_S=70 VARIANT_S=40 CUDA_BENCH_S=40 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
+#   DEVICE_RUN_S=265 FUSED_S=65 VARIANT_S=50 CUDA_BENCH_S=35 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
 #   PROFILE_S=40         the boxes, seconds (585 in all, and 12 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
@@ -55,7 +56,7 @@ if [ "${SKIP_DEVICE_RUN:-0}" = 0 ]; then
 fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout -k 10 "${FUSED_S:-70}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+timeout -k 10 "${FUSED_S:-65}" "$PY" benchmarks/python/bench_fused_router_peers.py \
   --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
 el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
 if [ -f "$OUT/fused_router_peers.md" ]; then
@@ -64,18 +65,19 @@ else
   tail -25 "$OUT/fused-router-peers.log"
 fi
 
-# The routing variants against the current kernel first, in a box of their own: which one
-# lands is decided by these rows.
-timeout -k 10 "${VARIANT_S:-40}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
-  --only routing_variant > "$OUT/routing-variants.log" 2>&1
-el "bench_cuda.py --only routing_variant: exit $? (routing-variants.log)"
-if grep -q "^routing variant" "$OUT/routing-variants.log"; then
-  grep "^routing variant" "$OUT/routing-variants.log" | cut -c1-170 | head -52
+# The kernels' variants against the current ones first, in a box of their own: which ones
+# land is decided by these rows.
+timeout -k 10 "${VARIANT_S:-50}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
+  --only routing_variant,router_gemm_variant > "$OUT/routing-variants.log" 2>&1
+el "bench_cuda.py --only routing_variant,router_gemm_variant: exit $? (routing-variants.log)"
+if grep -qE "^(routing|router_gemm|fused_router) .*variant" "$OUT/routing-variants.log"; then
+  grep -E "^(routing|router_gemm|fused_router) .*variant" "$OUT/routing-variants.log" \
+    | cut -c1-170 | head -76
 else
   tail -10 "$OUT/routing-variants.log"
 fi
 
-timeout -k 10 "${CUDA_BENCH_S:-40}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
+timeout -k 10 "${CUDA_BENCH_S:-35}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
   --only routing_options,fused_router,grouped_topk \
   > "$OUT/bench-cuda-quick.log" 2>&1
 el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
@@ -102,7 +104,7 @@ fi
 MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-55}" "$PY" -m pytest -q -p no:cacheprovider -x \
   tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
   tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py \
-  -k "(cuda or programmatic) and not routing_variant" \
+  -k "(cuda or programmatic) and not variant" \
   > "$OUT/pdl-tests.log" 2>&1
 el "GPU tests with MOEEXT_ENABLE_PDL=1: exit $? (pdl-tests.log)"
 tail -5 "$OUT/pdl-tests.log" | cut -c1-200

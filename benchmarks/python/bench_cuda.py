@@ -30,6 +30,9 @@ Baselines, measured in the same run on the same inputs:
                        of them (issue #52's overhead)
   routing variant N    the current routing warp kernel: each variant kept beside it for A/B
                        (moeext::gpu_routing_variant), checked bit for bit first, PDL off
+  <op> gemm variant N  router_gemm, and fused_router's one launch, with the current router
+                       GEMM kernel: each variant (moeext::gpu_router_gemm_variant), checked bit
+                       for bit first, in each launch mode
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
@@ -273,61 +276,122 @@ def grouped_topk(table, quick, tokens=None, engines=None):
                             moeext.biased_grouped_topk(logits[0], bias, *rest), routing_mismatch)
 
 
-def routing_options(table, quick, tokens=None):
-    """docs/SPEC.md §6's options on the GPU (issue #52): each one alone and all together,
-    against plain routing in the same mode. Counts accumulate over the timed calls; the
-    record has a row per token."""
-    presets = ["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"]
-    tokens = tokens or ([1, 4096] if quick else [1, 64, 4096])
+def preset_cases(presets, tokens):
+    """(name, preset, its routing arguments, a bias, num_tokens, a generator) for each preset
+    and token count: the bias, and what the caller draws from the generator, are the same in
+    every run."""
     for name in presets:
         p = PRESETS[name]
         rest = routing_args(p)
         g = torch.Generator(device="cuda").manual_seed(p.num_experts)
         bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
         for num_tokens in tokens:
-            sets = input_sets(num_tokens * p.num_experts * 2)
-            logits = [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g)
-                      .bfloat16() for _ in range(sets)]
-            counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
-            record = torch.empty(num_tokens, p.topk, dtype=torch.int16, device="cuda")
-            valid = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
-            options = {
-                "shared expert": dict(num_fused_shared_experts=1, shared_expert_weight=1.0),
-                "expert map": dict(expert_map=moeext.nn.expert_parallel_map(
-                    p.num_experts, 0, 8).cuda()),
-                "counts": dict(expert_counts=counts),
-                "record": dict(routed_experts=record),
-                "valid tokens": dict(num_valid_tokens=valid),
-                "all options": dict(num_fused_shared_experts=1, shared_expert_weight=1.0,
-                                    expert_map=moeext.nn.expert_parallel_map(
-                                        p.num_experts, 0, 8, num_fused_shared_experts=1).cuda(),
-                                    expert_counts=counts, routed_experts=record,
-                                    num_valid_tokens=valid),
-            }
+            yield name, p, rest, bias, num_tokens, g
 
-            def calls(**kw):
-                return lambda: [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest, **kw)
-                                for x in logits]
 
-            case = f"{name} T={num_tokens}"
-            plain = per_mode(calls())
-            for label, kw in options.items():
-                ours = per_mode(calls(**kw))
-                for mode in MODES:
-                    table.add(f"routing +{label}", case, ours, "plain routing", plain[mode],
-                              mode=mode)
+def routing_options(table, quick, tokens=None):
+    """docs/SPEC.md §6's options on the GPU (issue #52): each one alone and all together,
+    against plain routing in the same mode. Counts accumulate over the timed calls; the
+    record has a row per token."""
+    presets = ["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"]
+    tokens = tokens or ([1, 4096] if quick else [1, 64, 4096])
+    for name, p, rest, bias, num_tokens, g in preset_cases(presets, tokens):
+        sets = input_sets(num_tokens * p.num_experts * 2)
+        logits = [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g)
+                  .bfloat16() for _ in range(sets)]
+        counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
+        record = torch.empty(num_tokens, p.topk, dtype=torch.int16, device="cuda")
+        valid = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
+        options = {
+            "shared expert": dict(num_fused_shared_experts=1, shared_expert_weight=1.0),
+            "expert map": dict(expert_map=moeext.nn.expert_parallel_map(
+                p.num_experts, 0, 8).cuda()),
+            "counts": dict(expert_counts=counts),
+            "record": dict(routed_experts=record),
+            "valid tokens": dict(num_valid_tokens=valid),
+            "all options": dict(num_fused_shared_experts=1, shared_expert_weight=1.0,
+                                expert_map=moeext.nn.expert_parallel_map(
+                                    p.num_experts, 0, 8, num_fused_shared_experts=1).cuda(),
+                                expert_counts=counts, routed_experts=record,
+                                num_valid_tokens=valid),
+        }
+
+        def calls(**kw):
+            return lambda: [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest, **kw)
+                            for x in logits]
+
+        case = f"{name} T={num_tokens}"
+        plain = per_mode(calls())
+        for label, kw in options.items():
+            ours = per_mode(calls(**kw))
+            for mode in MODES:
+                table.add(f"routing +{label}", case, ours, "plain routing", plain[mode],
+                          mode=mode)
 
 
 ROUTING_VARIANTS = [1, 2, 3, 4]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
 
 
 @contextlib.contextmanager
-def routing_variant(variant):
-    previous = moeext._C._set_gpu_routing_variant(variant)
+def kernel_variant(setter, variant):
+    """One of the developers' A/B switches (moeext._C._set_gpu_*_variant) set to ``variant``."""
+    previous = setter(variant)
     try:
         yield
     finally:
-        moeext._C._set_gpu_routing_variant(previous)
+        setter(previous)
+
+
+def routing_variant(variant):
+    return kernel_variant(moeext._C._set_gpu_routing_variant, variant)
+
+
+def router_gemm_variant(variant):
+    return kernel_variant(moeext._C._set_gpu_router_gemm_variant, variant)
+
+
+def same_results(a, b):
+    """Bit for bit: a tensor, or the tensors of a tuple (None where both are None)."""
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return len(a) == len(b) and all(same_results(x, y) for x, y in zip(a, b))
+
+
+def variants_same(switch, variants, fn, inputs):
+    """{variant: whether it gave variant 0's results on every input}."""
+    same = {v: True for v in variants}
+    for x in inputs:
+        with switch(0):
+            current = fn(x)
+        for v in variants:
+            with switch(v):
+                same[v] &= same_results(current, fn(x))
+    return same
+
+
+def variants_timed(switch, variants, calls, mode):
+    """{variant: (graph_us, eager_us)} in launch mode ``mode``, 0 included: graph times taken in
+    alternation, three of each (medians), so a drift of the GPU's clock falls on all alike."""
+    graphs = {v: [] for v in [0] + variants}
+    times = {}
+    with launch_mode(mode):
+        for _ in range(3):
+            for v in graphs:
+                with switch(v):
+                    graphs[v].append(graph_us(calls))
+        for v in graphs:
+            with switch(v):
+                times[v] = (statistics.median(graphs[v]), eager_us(calls))
+    return times
+
+
+def variant_rows(table, label, case, same, times, mode, baseline):
+    for v in same:
+        table.add(f"{label} {v}" + ("" if same[v] else " MISMATCH"), case, {mode: times[v]},
+                  baseline, times[0], mode=mode)
 
 
 def routing_variant_ab(table, quick, tokens=None):
@@ -337,7 +401,6 @@ def routing_variant_ab(table, quick, tokens=None):
     graph times taken in alternation, three of each, medians reported. A MISMATCH row means
     that variant must not land."""
     tokens = tokens or ([1, 4096, 16384] if quick else [1, 16, 64, 256, 1024, 4096, 16384])
-    variants = [0] + ROUTING_VARIANTS
     for name in ["deepseek-v3", "kimi-k2"]:
         p = PRESETS[name]
         rest = routing_args(p)
@@ -351,36 +414,57 @@ def routing_variant_ab(table, quick, tokens=None):
                 odd = torch.zeros(3, p.num_experts, device="cuda", dtype=dtype)
                 odd[1, ::3] = float("nan")
                 odd[2, 5] = float("inf")
-                same = {v: True for v in ROUTING_VARIANTS}
-                for x in logits + [odd]:
-                    with routing_variant(0):
-                        current = moeext.biased_grouped_topk(x, bias, *rest)
-                    for v in ROUTING_VARIANTS:
-                        with routing_variant(v):
-                            other = moeext.biased_grouped_topk(x, bias, *rest)
-                        same[v] &= all(torch.equal(a, b) for a, b in zip(current, other))
+
+                def route(x):
+                    return moeext.biased_grouped_topk(x, bias, *rest)
+
+                same = variants_same(routing_variant, ROUTING_VARIANTS, route, logits + [odd])
 
                 def calls():
-                    return [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest)
-                            for x in logits]
+                    return [lambda x=x: route(x) for x in logits]
 
-                times = {v: [] for v in variants}
-                eager = {}
-                with launch_mode("no-pdl"):
-                    for _ in range(3):
-                        for v in variants:
-                            with routing_variant(v):
-                                times[v].append(graph_us(calls))
-                    for v in variants:
-                        with routing_variant(v):
-                            eager[v] = eager_us(calls)
-                graph = {v: statistics.median(t) for v, t in times.items()}
+                times = variants_timed(routing_variant, ROUTING_VARIANTS, calls, "no-pdl")
                 dtype_name = str(dtype).replace("torch.", "")
-                case = f"{name} {dtype_name} T={num_tokens}"
-                for v in ROUTING_VARIANTS:
-                    table.add(f"routing variant {v}" + ("" if same[v] else " MISMATCH"), case,
-                              {"no-pdl": (graph[v], eager[v])}, "current warp kernel",
-                              (graph[0], eager[0]))
+                variant_rows(table, "routing variant", f"{name} {dtype_name} T={num_tokens}",
+                             same, times, "no-pdl", "current warp kernel")
+
+
+def gate_cases(presets, tokens, hidden):
+    """(name, preset, its routing arguments, a bias, num_tokens, input sets) for each preset's
+    gate and token count; each input set is bf16 hidden states and a weight of its own (see
+    router_gemm)."""
+    for name, p, rest, bias, num_tokens, g in preset_cases(presets, tokens):
+        sets = input_sets(num_tokens * hidden * 2 + p.num_experts * hidden * 2)
+        xws = [(torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16(),
+                (0.02 * torch.randn(p.num_experts, hidden, device="cuda", generator=g))
+                .bfloat16()) for _ in range(sets)]
+        yield name, p, rest, bias, num_tokens, xws
+
+
+def router_gemm_variant_ab(table, quick, tokens=None):
+    """The router GEMM's variants (moeext::gpu_router_gemm_variant) against the current kernel,
+    in router_gemm and in fused_router's one launch, at DeepSeek-V3's and Kimi-K2's gates, in
+    each launch mode (variant 1 asks L2 for the weight before the grid wait, which only PDL
+    lets overlap the grid before): results compared bit for bit first on every input set, then
+    graph times in alternation as for the routing variants. Each input set has its own weight
+    (see router_gemm). A MISMATCH row means that variant must not land."""
+    hidden = 7168
+    tokens = tokens or ([1, 4, 16] if quick else [1, 2, 4, 8, 16])
+    for name, _, rest, bias, num_tokens, xws in gate_cases(["deepseek-v3", "kimi-k2"], tokens,
+                                                             hidden):
+        ops = {"router_gemm": lambda xw: moeext.router_gemm(*xw),
+               "fused_router": lambda xw, bias=bias, rest=rest: moeext.fused_router(
+                   *xw, bias, *rest)}
+        for op, fn in ops.items():
+            same = variants_same(router_gemm_variant, ROUTER_GEMM_VARIANTS, fn, xws)
+
+            def calls(fn=fn, xws=xws):
+                return [lambda xw=xw: fn(xw) for xw in xws]
+
+            for mode in MODES:
+                times = variants_timed(router_gemm_variant, ROUTER_GEMM_VARIANTS, calls, mode)
+                variant_rows(table, f"{op} gemm variant", f"{name} H={hidden} T={num_tokens}",
+                             same, times, mode, "current kernel")
 
 
 def router_gemm(table, quick, tokens=None, engines=None):
@@ -431,58 +515,49 @@ def fused_router(table, quick, tokens=None, engines=None):
     hidden = 7168
     presets = ["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"]
     tokens = tokens or ([1, 16] if quick else [1, 2, 4, 8, 16, 64])
-    for name in presets:
-        p = PRESETS[name]
-        rest = routing_args(p)
-        g = torch.Generator(device="cuda").manual_seed(p.num_experts)
-        bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
-        for num_tokens in tokens:
-            sets = input_sets(num_tokens * hidden * 2 + p.num_experts * hidden * 2)
-            xws = [(torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16(),
-                    (0.02 * torch.randn(p.num_experts, hidden, device="cuda", generator=g))
-                    .bfloat16()) for _ in range(sets)]
-            for x, w in xws:
-                fused = moeext.fused_router(x, w, bias, *rest)
-                logits = moeext.router_gemm(x, w)
-                pair = moeext.biased_grouped_topk(logits, bias, *rest)
-                assert torch.equal(fused[0], pair[0]) and torch.equal(fused[1], pair[1])
+    for name, p, rest, bias, num_tokens, xws in gate_cases(presets, tokens, hidden):
+        for x, w in xws:
+            fused = moeext.fused_router(x, w, bias, *rest)
+            logits = moeext.router_gemm(x, w)
+            pair = moeext.biased_grouped_topk(logits, bias, *rest)
+            assert torch.equal(fused[0], pair[0]) and torch.equal(fused[1], pair[1])
 
-            def calls(fn):
-                return lambda: [lambda xw=xw: fn(*xw) for xw in xws]
+        def calls(fn):
+            return lambda: [lambda xw=xw: fn(*xw) for xw in xws]
 
-            case = f"{name} H={hidden} T={num_tokens}"
-            ours = per_mode(calls(lambda x, w: moeext.fused_router(x, w, bias, *rest)))
-            pdl_alone(table, "fused_router", case, ours)
-            # moeext's own calls, in the same mode as the fused one.
-            pair = per_mode(calls(lambda x, w: moeext.biased_grouped_topk(
-                moeext.router_gemm(x, w), bias, *rest)))
-            gemm = per_mode(calls(lambda x, w: moeext.router_gemm(x, w)))
-            for mode in MODES:
-                table.add("fused_router", case, ours, "router_gemm + biased_grouped_topk",
-                          pair[mode], mode=mode)
-                table.add("fused_router", case, ours, "router_gemm alone", gemm[mode],
-                          mode=mode)
-            if engines is not None:
-                engine_rows(table, "fused_router", case, ours,
-                            engines.fused_pair(p, bias, hidden, num_tokens), xws,
-                            moeext.fused_router(*xws[0], bias, *rest)[:2], routing_mismatch)
-            # The out= forms into buffers kept across calls, as a decode step keeps them: no
-            # allocation in either (eager time), the same kernels (graph time).
-            weights = torch.empty(num_tokens, p.topk, device="cuda")
-            ids = torch.empty(num_tokens, p.topk, dtype=torch.int32, device="cuda")
-            out_rest = rest[:2] + rest[3:]
-            moeext.fused_router_out(*xws[0], bias, weights, ids, *out_rest)
-            expected = moeext.fused_router(*xws[0], bias, *rest)
-            assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
-            ours_out = per_mode(calls(lambda x, w: moeext.fused_router_out(
-                x, w, bias, weights, ids, *out_rest)))
-            pair_out = per_mode(calls(lambda x, w: moeext.biased_grouped_topk_out(
-                moeext.router_gemm(x, w), bias, weights, ids, *out_rest)))
-            for mode in MODES:
-                table.add("fused_router_out", case, ours_out,
-                          "router_gemm + biased_grouped_topk_out", pair_out[mode], mode=mode)
-                table.add("fused_router_out", case, ours_out, "router_gemm alone", gemm[mode],
-                          mode=mode)
+        case = f"{name} H={hidden} T={num_tokens}"
+        ours = per_mode(calls(lambda x, w: moeext.fused_router(x, w, bias, *rest)))
+        pdl_alone(table, "fused_router", case, ours)
+        # moeext's own calls, in the same mode as the fused one.
+        pair = per_mode(calls(lambda x, w: moeext.biased_grouped_topk(
+            moeext.router_gemm(x, w), bias, *rest)))
+        gemm = per_mode(calls(lambda x, w: moeext.router_gemm(x, w)))
+        for mode in MODES:
+            table.add("fused_router", case, ours, "router_gemm + biased_grouped_topk",
+                      pair[mode], mode=mode)
+            table.add("fused_router", case, ours, "router_gemm alone", gemm[mode],
+                      mode=mode)
+        if engines is not None:
+            engine_rows(table, "fused_router", case, ours,
+                        engines.fused_pair(p, bias, hidden, num_tokens), xws,
+                        moeext.fused_router(*xws[0], bias, *rest)[:2], routing_mismatch)
+        # The out= forms into buffers kept across calls, as a decode step keeps them: no
+        # allocation in either (eager time), the same kernels (graph time).
+        weights = torch.empty(num_tokens, p.topk, device="cuda")
+        ids = torch.empty(num_tokens, p.topk, dtype=torch.int32, device="cuda")
+        out_rest = rest[:2] + rest[3:]
+        moeext.fused_router_out(*xws[0], bias, weights, ids, *out_rest)
+        expected = moeext.fused_router(*xws[0], bias, *rest)
+        assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+        ours_out = per_mode(calls(lambda x, w: moeext.fused_router_out(
+            x, w, bias, weights, ids, *out_rest)))
+        pair_out = per_mode(calls(lambda x, w: moeext.biased_grouped_topk_out(
+            moeext.router_gemm(x, w), bias, weights, ids, *out_rest)))
+        for mode in MODES:
+            table.add("fused_router_out", case, ours_out,
+                      "router_gemm + biased_grouped_topk_out", pair_out[mode], mode=mode)
+            table.add("fused_router_out", case, ours_out, "router_gemm alone", gemm[mode],
+                      mode=mode)
 
 
 def zero_tail(table, quick):
@@ -568,6 +643,8 @@ def main(argv=None):
     suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens, engines),
               "routing_options": lambda: routing_options(table, args.quick, args.tokens),
               "routing_variant": lambda: routing_variant_ab(table, args.quick, args.tokens),
+              "router_gemm_variant": lambda: router_gemm_variant_ab(table, args.quick,
+                                                                    args.tokens),
               "router_gemm": lambda: router_gemm(table, args.quick, args.tokens, engines),
               "fused_router": lambda: fused_router(table, args.quick, args.tokens, engines),
               "zero_tail": lambda: zero_tail(table, args.quick),
