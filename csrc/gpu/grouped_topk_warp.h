@@ -1,7 +1,8 @@
 // The warp kernel of biased grouped top-k routing: one token per warp, each lane holding
 // kExpertsPerLane contiguous experts in registers (see grouped_topk.cu for when it runs).
-// Included by the routing .cu files (grouped_topk.cu, routing_weights.cu): the anonymous
-// namespace keeps each one's instances internal to it.
+// Included by the .cu files that route (grouped_topk.cu and its variant files,
+// routing_weights.cu, fused_router.cu): the anonymous namespace keeps each one's instances
+// internal to it.
 #pragma once
 
 #include <type_traits>
