@@ -24,8 +24,8 @@
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=265 FUSED_S=65 VARIANT_S=50 CUDA_BENCH_S=35 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
-#   PROFILE_S=40         the boxes, seconds (585 in all, and 12 s to read the profile back)
+#   DEVICE_RUN_S=265 FUSED_S=65 VARIANT_S=50 CUDA_BENCH_S=30 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
+#   PROFILE_S=45         the boxes, seconds (585 in all, and 12 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
 set -uo pipefail
@@ -77,7 +77,7 @@ else
   tail -10 "$OUT/routing-variants.log"
 fi
 
-timeout -k 10 "${CUDA_BENCH_S:-35}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
+timeout -k 10 "${CUDA_BENCH_S:-30}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
   --only routing_options,fused_router,grouped_topk \
   > "$OUT/bench-cuda-quick.log" 2>&1
 el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
@@ -143,7 +143,7 @@ rm -rf "$aoti"
 # script's NVTX ranges only; the clocks are left alone (--clock-control none).
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
 if [ -n "$NCU" ]; then
-  timeout -k 10 "${PROFILE_S:-40}" "$NCU" --clock-control none --nvtx \
+  timeout -k 10 "${PROFILE_S:-45}" "$NCU" --clock-control none --nvtx \
     --nvtx-include moeext-profile/ --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section SchedulerStats --section WarpStateStats \
     --section InstructionStats --export "$OUT/decode-kernels" --force-overwrite \

@@ -26,8 +26,12 @@ def test_lists_every_case_with_a_known_preset(capsys):
     assert profile.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == list(profile.CASES)
-    for op, preset, tokens in profile.CASES.values():
+    for op, preset, tokens, variant in profile.CASES.values():
         assert op in ("route", "gemm", "fused") and preset in PRESETS and tokens >= 1
+        # A routing variant the build has, and only where routing runs.
+        assert 0 <= variant and (op == "route" or variant == 0)
+        previous = moeext._C._set_gpu_routing_variant(variant)
+        moeext._C._set_gpu_routing_variant(previous)
 
 
 def test_an_unknown_case_is_refused_by_name():

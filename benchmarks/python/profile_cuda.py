@@ -7,7 +7,8 @@ few times to warm up, then once inside an NVTX range named ``moeext-profile``; r
 order the cases are listed (the script prints each case's name before its call, so the
 report's kernels line up with the names).
 
-  route-*   biased_grouped_topk, sigmoid, fp32 bias, bf16 logits (the warp kernel)
+  route-*   biased_grouped_topk, sigmoid, fp32 bias, bf16 logits (the warp kernel; *-v3: its
+            routing variant 3, sorted lanes, set for the call: moeext::gpu_routing_variant)
   gemm-*    router_gemm, H = 7168, bf16 -> fp32 (the small-T kernel)
   fused-*   fused_router, H = 7168 (the one-launch decode kernel)
 
@@ -28,17 +29,30 @@ import argparse
 import sys
 
 CASES = {
-    # name: (op, preset, tokens)
-    "route-dsv3-bf16-t1": ("route", "deepseek-v3", 1),
-    "route-dsv3-bf16-t16384": ("route", "deepseek-v3", 16384),
-    "route-kimi-bf16-t1": ("route", "kimi-k2", 1),
-    "gemm-e256-t1": ("gemm", "deepseek-v3", 1),
-    "gemm-e384-t4": ("gemm", "kimi-k2", 4),
-    "fused-dsv3-t1": ("fused", "deepseek-v3", 1),
+    # name: (op, preset, tokens, routing variant)
+    "route-dsv3-bf16-t1": ("route", "deepseek-v3", 1, 0),
+    "route-dsv3-bf16-t16384": ("route", "deepseek-v3", 16384, 0),
+    "route-dsv3-bf16-t1-v3": ("route", "deepseek-v3", 1, 3),
+    "route-dsv3-bf16-t16384-v3": ("route", "deepseek-v3", 16384, 3),
+    "route-kimi-bf16-t1": ("route", "kimi-k2", 1, 0),
+    "gemm-e256-t1": ("gemm", "deepseek-v3", 1, 0),
+    "gemm-e384-t4": ("gemm", "kimi-k2", 4, 0),
+    "fused-dsv3-t1": ("fused", "deepseek-v3", 1, 0),
 }
 HIDDEN = 7168
 WARMUP_CALLS = 3
 RANGE = "moeext-profile"
+
+
+def with_routing_variant(moeext, variant, call):
+    """call, launched while the routing warp kernel's variant ``variant`` is set."""
+    def launch():
+        previous = moeext._C._set_gpu_routing_variant(variant)
+        try:
+            return call()
+        finally:
+            moeext._C._set_gpu_routing_variant(previous)
+    return launch
 
 
 def case_call(torch, moeext, preset, op, num_tokens):
@@ -75,8 +89,8 @@ def main(argv=None):
     names = parse_cases(args.cases)
     if args.list:
         for name in names:
-            op, preset, tokens = CASES[name]
-            print(f"{name}: {op} {preset} T={tokens}")
+            op, preset, tokens, variant = CASES[name]
+            print(f"{name}: {op} {preset} T={tokens}" + (f" variant {variant}" if variant else ""))
         return 0
 
     import torch
@@ -87,8 +101,9 @@ def main(argv=None):
         print("profile_cuda: needs a CUDA GPU and a moeext built with CUDA", file=sys.stderr)
         return 2
     for name in names:
-        op, preset, tokens = CASES[name]
-        call = case_call(torch, moeext, PRESETS[preset], op, tokens)
+        op, preset, tokens, variant = CASES[name]
+        call = with_routing_variant(moeext, variant,
+                                    case_call(torch, moeext, PRESETS[preset], op, tokens))
         for _ in range(WARMUP_CALLS):
             call()
         torch.cuda.synchronize()
