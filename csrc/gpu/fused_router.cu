@@ -132,11 +132,6 @@ Kernel pick_tokens(int token_tile, int experts_per_lane, bool bias, bool options
   }
 }
 
-gpu::grouped_topk::FastPathPlan plan_of(const BiasedGroupedTopkParams& r, int warp_size) {
-  return gpu::grouped_topk::plan_fast_path(warp_size, r.num_experts, r.num_expert_group,
-                                           r.topk_group, r.topk);
-}
-
 // ---- Completion counters -----------------------------------------------------------------
 
 constexpr int kMaxDevices = 64;
@@ -180,7 +175,7 @@ bool fused_router_gpu_supported(const FusedRouterParams& params) {
   if (r.correction_bias != nullptr && r.bias_dtype != DType::kFloat32) return false;
   if (biased_grouped_topk_gpu_limit(r) != nullptr) return false;
   const int warp_size = gpu::warp_size_of_current_device();
-  const int experts_per_lane = plan_of(r, warp_size).experts_per_lane;
+  const int experts_per_lane = gpu::grouped_topk::plan_for(r, warp_size).experts_per_lane;
   if (experts_per_lane == 0 || !routes_in_one_launch(warp_size, experts_per_lane)) {
     return false;
   }
@@ -195,16 +190,13 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
   }
   const int warp_size = gpu::warp_size_of_current_device();
   const BiasedGroupedTopkParams& r = params.routing;
-  const gpu::grouped_topk::FastPathPlan plan = plan_of(r, warp_size);
+  const gpu::grouped_topk::FastPathPlan plan = gpu::grouped_topk::plan_for(r, warp_size);
   const int token_tile = gpu::router_gemm_token_tile(params.gemm.num_tokens);
   const int warps = kThreads / warp_size;
 
   FusedArgs args;
   args.gemm = params.gemm;
-  args.routing.p = r;
-  args.routing.group_size = int(r.num_experts / r.num_expert_group);
-  args.routing.lanes_per_group = plan.lanes_per_group;
-  args.routing.group_scores_in_registers = plan.group_scores_in_registers;
+  args.routing = gpu::grouped_topk::kernel_args(r, plan);
   // Warp w of a routing block starts at token block * warps_per_block + w: with 0 here the
   // last block's warps, whichever block it is, take tokens w, w + warps, ...
   args.routing.warps_per_block = 0;

@@ -51,6 +51,22 @@ struct KernelArgs {
   int64_t token_step;              // tokens all blocks take per round (the grid-stride)
 };
 
+inline FastPathPlan plan_for(const BiasedGroupedTopkParams& params, int warp_size) {
+  return plan_fast_path(warp_size, params.num_experts, params.num_expert_group,
+                        params.topk_group, params.topk);
+}
+
+// What the kernels are launched with, but for the launch shape (warps_per_block, token_step:
+// the launcher's to set).
+inline KernelArgs kernel_args(const BiasedGroupedTopkParams& params, const FastPathPlan& plan) {
+  KernelArgs args;
+  args.p = params;
+  args.group_size = int(params.num_experts / params.num_expert_group);
+  args.lanes_per_group = plan.lanes_per_group;
+  args.group_scores_in_registers = plan.group_scores_in_registers;
+  return args;
+}
+
 constexpr int kMaxThreadsPerBlock = 256;
 // Launch bounds (256 threads, 2 blocks per multiprocessor): without a minimum, ptxas for sm_90a
 // held the 12-experts-per-lane kernel to 80 registers and spilled; 2 blocks allow 128, which

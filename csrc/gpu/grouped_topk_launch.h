@@ -22,22 +22,6 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-FastPathPlan plan_for(const BiasedGroupedTopkParams& params, int warp_size) {
-  return plan_fast_path(warp_size, params.num_experts, params.num_expert_group,
-                        params.topk_group, params.topk);
-}
-
-// What the kernels are launched with, but for the launch shape (launch_warp_kernel's, or the
-// block kernel's).
-KernelArgs kernel_args(const BiasedGroupedTopkParams& params, const FastPathPlan& plan) {
-  KernelArgs args;
-  args.p = params;
-  args.group_size = int(params.num_experts / params.num_expert_group);
-  args.lanes_per_group = plan.lanes_per_group;
-  args.group_scores_in_registers = plan.group_scores_in_registers;
-  return args;
-}
-
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, int kVariant>
 Kernel warp_kernel(int experts_per_lane) {
   return pick_experts_per_lane<kWarpSize, Kernel>(experts_per_lane, nullptr, [](auto v) {

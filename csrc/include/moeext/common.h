@@ -102,19 +102,22 @@ bool gpu_programmatic_dependent_launch_supported();
 //   4: 3, with 2's prefetch.
 constexpr int kGpuRoutingVariants = 5;
 namespace detail {
-inline std::atomic<int>& routing_variant_flag() {
+// The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM), one flag per binary
+// as programmatic_dependent_launch_flag is.
+template <int kKind>
+inline std::atomic<int>& variant_flag() {
   static std::atomic<int> variant{0};
   return variant;
 }
 }  // namespace detail
 
 inline int gpu_routing_variant() {
-  return detail::routing_variant_flag().load(std::memory_order_relaxed);
+  return detail::variant_flag<0>().load(std::memory_order_relaxed);
 }
 // Sets the variant (0 <= variant < kGpuRoutingVariants, checked by the caller); returns the
 // previous one.
 inline int set_gpu_routing_variant(int variant) {
-  return detail::routing_variant_flag().exchange(variant, std::memory_order_relaxed);
+  return detail::variant_flag<0>().exchange(variant, std::memory_order_relaxed);
 }
 
 // The variants of the small-T router GEMM kernel, and of the fused router's plain kernel that
@@ -123,20 +126,11 @@ inline int set_gpu_routing_variant(int variant) {
 //   1: each block asks L2 for its weight rows before it waits for the grid before it, so that
 //      with PDL the weight streams from memory while that grid finishes (CUDA only).
 constexpr int kGpuRouterGemmVariants = 2;
-namespace detail {
-inline std::atomic<int>& router_gemm_variant_flag() {
-  static std::atomic<int> variant{0};
-  return variant;
-}
-}  // namespace detail
-
 inline int gpu_router_gemm_variant() {
-  return detail::router_gemm_variant_flag().load(std::memory_order_relaxed);
+  return detail::variant_flag<1>().load(std::memory_order_relaxed);
 }
-// Sets the variant (0 <= variant < kGpuRouterGemmVariants, checked by the caller); returns the
-// previous one.
-inline int set_gpu_router_gemm_variant(int variant) {
-  return detail::router_gemm_variant_flag().exchange(variant, std::memory_order_relaxed);
+inline int set_gpu_router_gemm_variant(int variant) {  // as set_gpu_routing_variant
+  return detail::variant_flag<1>().exchange(variant, std::memory_order_relaxed);
 }
 
 }  // namespace moeext
