@@ -5,11 +5,11 @@
 #      otherwise), moeext's GPU tests;
 #   2. benchmarks/python/bench_fused_router_peers.py: fused_router against every peer
 #      router GEMM + routing pair, with issue #53's verdicts;
-#   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's and the router
-#      GEMM's variants against the current kernels (bit for bit first, a box of their own,
-#      the GEMM's in both launch modes), then the routing options'
-#      overhead, the fused router's out= form and routing, moeext with PDL off and on (rows
-#      print as timed);
+#   3. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's, the router GEMM's
+#      and the fused router's completion count's variants against the current kernels (bit
+#      for bit first, a box of their own, the last two in both launch modes), then the
+#      routing options' overhead, the fused router's out= form and routing, moeext with PDL
+#      off and on (rows print as timed);
 #   3b. benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of the warp
 #      operations the routing kernel's argmax rounds are made of, and of a round itself;
 #   4. the decode ops' GPU tests again with programmatic dependent launch on
@@ -24,8 +24,8 @@
 # files, PEERS.md) must be in the checkout root, carried to the machine. Every step is
 # time-boxed so the call returns with what it got; logs and tables go to $OUT.
 #
-#   DEVICE_RUN_S=265 FUSED_S=65 VARIANT_S=50 CUDA_BENCH_S=30 WARP_OPS_S=25 PDL_S=55 AOTI_S=50
-#   PROFILE_S=45         the boxes, seconds (585 in all, and 12 s to read the profile back)
+#   DEVICE_RUN_S=265 FUSED_S=65 VARIANT_S=60 CUDA_BENCH_S=30 WARP_OPS_S=25 PDL_S=55 AOTI_S=45
+#   PROFILE_S=40         the boxes, seconds (585 in all, and 12 s to read the profile back)
 #   SKIP_DEVICE_RUN=1   steps 2-5 only, on a machine still warm from a first call (the
 #                       in-place build and build-peers/ stay there between calls)
 set -uo pipefail
@@ -67,12 +67,13 @@ fi
 
 # The kernels' variants against the current ones first, in a box of their own: which ones
 # land is decided by these rows.
-timeout -k 10 "${VARIANT_S:-50}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
-  --only routing_variant,router_gemm_variant > "$OUT/routing-variants.log" 2>&1
-el "bench_cuda.py --only routing_variant,router_gemm_variant: exit $? (routing-variants.log)"
+timeout -k 10 "${VARIANT_S:-60}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
+  --only routing_variant,router_gemm_variant,fused_router_variant \
+  > "$OUT/routing-variants.log" 2>&1
+el "bench_cuda.py --only *_variant: exit $? (routing-variants.log)"
 if grep -qE "^(routing|router_gemm|fused_router) .*variant" "$OUT/routing-variants.log"; then
   grep -E "^(routing|router_gemm|fused_router) .*variant" "$OUT/routing-variants.log" \
-    | cut -c1-170 | head -76
+    | cut -c1-170 | head -88
 else
   tail -10 "$OUT/routing-variants.log"
 fi
@@ -119,7 +120,7 @@ child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_c
 test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
 traced=0
 if command -v gdb > /dev/null; then
-  timeout -k 10 "${AOTI_S:-50}" gdb -q -batch -ex "set pagination off" \
+  timeout -k 10 "${AOTI_S:-45}" gdb -q -batch -ex "set pagination off" \
     -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
     --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
     > "$OUT/aoti-gdb.log" 2>&1
@@ -132,7 +133,7 @@ if command -v gdb > /dev/null; then
     "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
 fi
 if [ "$traced" = 0 ]; then
-  timeout -k 10 "${AOTI_S:-50}" "$PY" -X faulthandler -c "$child" \
+  timeout -k 10 "${AOTI_S:-45}" "$PY" -X faulthandler -c "$child" \
     > "$OUT/aoti-faulthandler.log" 2>&1
   el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
   tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
@@ -143,7 +144,7 @@ rm -rf "$aoti"
 # script's NVTX ranges only; the clocks are left alone (--clock-control none).
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
 if [ -n "$NCU" ]; then
-  timeout -k 10 "${PROFILE_S:-45}" "$NCU" --clock-control none --nvtx \
+  timeout -k 10 "${PROFILE_S:-40}" "$NCU" --clock-control none --nvtx \
     --nvtx-include moeext-profile/ --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section SchedulerStats --section WarpStateStats \
     --section InstructionStats --export "$OUT/decode-kernels" --force-overwrite \

@@ -6,6 +6,8 @@ those two ops run on the same inputs; test_matches_the_reference ties both to th
 reference as tests/test_router_gemm.py and tests/test_grouped_topk.py do.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -315,7 +317,6 @@ def test_gradients_are_the_two_ops(device):
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 19])
 def test_opcheck(device, num_tokens):
-    p = PRESETS["deepseek-v3"]
     hidden, weight, bias = make_inputs(num_tokens, 96, "deepseek-v3", device=device)
     op = torch.ops.moeext.fused_router.default
     torch.library.opcheck(op, (hidden, weight, bias, 8, 4, 8, True, 2.5, "sigmoid"))
@@ -329,7 +330,6 @@ def test_opcheck(device, num_tokens):
 
 
 def test_opcheck_with_gradient(device):
-    p = PRESETS["deepseek-v3"]
     hidden, weight, bias = make_inputs(7, 64, "deepseek-v3", device=device, dtype=torch.float32)
     torch.library.opcheck(torch.ops.moeext.fused_router.default,
                           (hidden.requires_grad_(), weight.requires_grad_(), bias, 8, 4, 8,
@@ -363,7 +363,6 @@ def test_compile_fullgraph_dynamic_tokens(device, return_logits):
 # ---- The wrapper's direct call ---------------------------------------------------------------
 
 def test_direct_call_is_the_op(device):
-    p = PRESETS["deepseek-v3"]
     hidden, weight, bias = make_inputs(4, 64, "deepseek-v3", device=device)
     args = (hidden, weight, bias, 8, 4, 8, True, 2.5, "sigmoid", 0, 1.0, None, None, None, None,
             True)
@@ -642,28 +641,69 @@ def test_out_form_in_a_cuda_graph():
     assert torch.equal(counts, expected_counts)
 
 
-# ---- The router GEMM's variants in the one launch ---------------------------------------------
+# ---- The variants of the one launch (the router GEMM's and the completion count's) -----------
+
+@contextlib.contextmanager
+def plain_variants(gemm, counter):
+    """moeext._C's A/B switches for the plain one-launch kernel, set for the block."""
+    previous = (moeext._C._set_gpu_router_gemm_variant(gemm),
+                moeext._C._set_gpu_fused_router_variant(counter))
+    try:
+        yield
+    finally:
+        moeext._C._set_gpu_router_gemm_variant(previous[0])
+        moeext._C._set_gpu_fused_router_variant(previous[1])
+
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
+@pytest.mark.parametrize("variants", [(1, 0), (0, 1), (1, 1)], ids=["gemm1", "count1", "both"])
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 @pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
-def test_router_gemm_variant_gives_the_same_fused_router_on_cuda(preset, pdl):
-    """The router GEMM's variant 1 (moeext._C._set_gpu_router_gemm_variant: the weight asked of
-    L2 before the grid wait) in the plain one-launch kernel: the same bits as variant 0 for
-    every token tile, with and without programmatic dependent launch, back to back."""
+def test_variants_give_the_same_fused_router_on_cuda(preset, variants, pdl):
+    """The router GEMM's variant 1 (the weight asked of L2 before the grid wait) and the
+    completion count's (thread 0 counts with one acquire-release atomic) in the plain one-launch
+    kernel: the same bits as the current kernel for every token tile, with and without
+    programmatic dependent launch, back to back on a stream and replayed in a CUDA graph (the
+    counter must be back at zero after each launch)."""
     p = PRESETS[preset]
     inputs = [make_inputs(t, 7168, preset, seed=t, device="cuda") for t in (1, 2, 3, 8, 13, 16)]
     inputs.append(make_inputs(5, 7168, preset, seed=5, device="cuda", bias_dtype=None))
     previous_pdl = moeext.set_programmatic_dependent_launch(pdl)
-    previous = moeext._C._set_gpu_router_gemm_variant(0)
+
+    def route_all():
+        return [moeext.fused_router(h, w, b, **p.op_kwargs(), return_logits=True)
+                for h, w, b in inputs]
+
     try:
-        current = [moeext.fused_router(h, w, b, **p.op_kwargs(), return_logits=True)
-                   for h, w, b in inputs]
-        moeext._C._set_gpu_router_gemm_variant(1)
-        other = [moeext.fused_router(h, w, b, **p.op_kwargs(), return_logits=True)
-                 for h, w, b in inputs]
+        with plain_variants(0, 0):
+            current = route_all()
+        with plain_variants(*variants):
+            other = route_all()
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):  # warm-up outside the capture
+                route_all()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = route_all()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
     finally:
-        moeext._C._set_gpu_router_gemm_variant(previous)
         moeext.set_programmatic_dependent_launch(previous_pdl)
-    for got, expected in zip(other, current):
+    for got, again, expected in zip(other, replayed, current):
         assert_equal(got, expected)
+        assert_equal(again, expected)
+
+
+def test_fused_router_variant_switch_returns_the_previous_one_and_refuses_others():
+    previous = moeext._C._set_gpu_fused_router_variant(1)
+    try:
+        assert moeext._C._set_gpu_fused_router_variant(0) == 1
+        for bad in (-1, 2):
+            with pytest.raises(ValueError, match=f"_set_gpu_fused_router_variant: variant must "
+                               f"be 0 .* to 1, got {bad}"):
+                moeext._C._set_gpu_fused_router_variant(bad)
+        assert moeext._C._set_gpu_fused_router_variant(0) == 0  # a refused value changes nothing
+    finally:
+        moeext._C._set_gpu_fused_router_variant(previous)

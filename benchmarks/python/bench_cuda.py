@@ -33,6 +33,9 @@ Baselines, measured in the same run on the same inputs:
   <op> gemm variant N  router_gemm, and fused_router's one launch, with the current router
                        GEMM kernel: each variant (moeext::gpu_router_gemm_variant), checked bit
                        for bit first, in each launch mode
+  fused_router count variant N
+                       fused_router's one launch with the current completion count: each
+                       variant (moeext::gpu_fused_router_variant), likewise
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
@@ -331,6 +334,7 @@ def routing_options(table, quick, tokens=None):
 
 ROUTING_VARIANTS = [1, 2, 3, 4]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
+FUSED_ROUTER_VARIANTS = [1]  # moeext::gpu_fused_router_variant's, besides 0
 
 
 @contextlib.contextmanager
@@ -349,6 +353,10 @@ def routing_variant(variant):
 
 def router_gemm_variant(variant):
     return kernel_variant(moeext._C._set_gpu_router_gemm_variant, variant)
+
+
+def fused_router_variant(variant):
+    return kernel_variant(moeext._C._set_gpu_fused_router_variant, variant)
 
 
 def same_results(a, b):
@@ -441,30 +449,48 @@ def gate_cases(presets, tokens, hidden):
         yield name, p, rest, bias, num_tokens, xws
 
 
-def router_gemm_variant_ab(table, quick, tokens=None):
-    """The router GEMM's variants (moeext::gpu_router_gemm_variant) against the current kernel,
-    in router_gemm and in fused_router's one launch, at DeepSeek-V3's and Kimi-K2's gates, in
-    each launch mode (variant 1 asks L2 for the weight before the grid wait, which only PDL
-    lets overlap the grid before): results compared bit for bit first on every input set, then
-    graph times in alternation as for the routing variants. Each input set has its own weight
-    (see router_gemm). A MISMATCH row means that variant must not land."""
+def gate_variant_ab(table, quick, tokens, switch, variants, ops, label):
+    """One A/B switch's variants against variant 0 in the ops ``ops(bias, rest)`` names, at
+    DeepSeek-V3's and Kimi-K2's gates, in each launch mode: results compared bit for bit first
+    on every input set, then graph times in alternation as for the routing variants. Each input
+    set has its own weight (see router_gemm). A MISMATCH row means that variant must not land."""
     hidden = 7168
     tokens = tokens or ([1, 4, 16] if quick else [1, 2, 4, 8, 16])
     for name, _, rest, bias, num_tokens, xws in gate_cases(["deepseek-v3", "kimi-k2"], tokens,
                                                              hidden):
-        ops = {"router_gemm": lambda xw: moeext.router_gemm(*xw),
-               "fused_router": lambda xw, bias=bias, rest=rest: moeext.fused_router(
-                   *xw, bias, *rest)}
-        for op, fn in ops.items():
-            same = variants_same(router_gemm_variant, ROUTER_GEMM_VARIANTS, fn, xws)
+        for op, fn in ops(bias, rest).items():
+            same = variants_same(switch, variants, fn, xws)
 
             def calls(fn=fn, xws=xws):
                 return [lambda xw=xw: fn(xw) for xw in xws]
 
             for mode in MODES:
-                times = variants_timed(router_gemm_variant, ROUTER_GEMM_VARIANTS, calls, mode)
-                variant_rows(table, f"{op} gemm variant", f"{name} H={hidden} T={num_tokens}",
+                times = variants_timed(switch, variants, calls, mode)
+                variant_rows(table, f"{op} {label}", f"{name} H={hidden} T={num_tokens}",
                              same, times, mode, "current kernel")
+
+
+def fused_router_call(bias, rest):
+    return lambda xw: moeext.fused_router(*xw, bias, *rest)
+
+
+def router_gemm_variant_ab(table, quick, tokens=None):
+    """The router GEMM's variants (moeext::gpu_router_gemm_variant) against the current kernel,
+    in router_gemm and in fused_router's one launch (variant 1 asks L2 for the weight before
+    the grid wait, which only PDL lets overlap the grid before)."""
+    gate_variant_ab(table, quick, tokens, router_gemm_variant, ROUTER_GEMM_VARIANTS,
+                    lambda bias, rest: {"router_gemm": lambda xw: moeext.router_gemm(*xw),
+                                        "fused_router": fused_router_call(bias, rest)},
+                    "gemm variant")
+
+
+def fused_router_variant_ab(table, quick, tokens=None):
+    """The fused router's completion-count variants (moeext::gpu_fused_router_variant) against
+    the current count, in its plain one-launch kernel (variant 1: thread 0 counts the block
+    with one acquire-release atomic, no fence by every thread)."""
+    gate_variant_ab(table, quick, tokens, fused_router_variant, FUSED_ROUTER_VARIANTS,
+                    lambda bias, rest: {"fused_router": fused_router_call(bias, rest)},
+                    "count variant")
 
 
 def router_gemm(table, quick, tokens=None, engines=None):
@@ -607,8 +633,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few, small cases")
     parser.add_argument("--only", default=None,
-                        help="comma-separated: grouped_topk,routing_options,"
-                             "routing_variant,router_gemm,fused_router,zero_tail,shuffles")
+                        help="comma-separated: grouped_topk,routing_options,routing_variant,"
+                             "router_gemm_variant,fused_router_variant,router_gemm,"
+                             "fused_router,zero_tail,shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("--tokens", default=None, type=lambda s: [int(t) for t in s.split(",")],
                         help="comma-separated token counts for grouped_topk and router_gemm, "
@@ -645,6 +672,8 @@ def main(argv=None):
               "routing_variant": lambda: routing_variant_ab(table, args.quick, args.tokens),
               "router_gemm_variant": lambda: router_gemm_variant_ab(table, args.quick,
                                                                     args.tokens),
+              "fused_router_variant": lambda: fused_router_variant_ab(table, args.quick,
+                                                                      args.tokens),
               "router_gemm": lambda: router_gemm(table, args.quick, args.tokens, engines),
               "fused_router": lambda: fused_router(table, args.quick, args.tokens, engines),
               "zero_tail": lambda: zero_tail(table, args.quick),

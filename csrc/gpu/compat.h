@@ -155,6 +155,28 @@ __device__ __forceinline__ float to_float(fp16 x) {
 int warp_size_of_current_device();
 int multiprocessor_count_of_current_device();
 
+// *counter += value at device scope with acquire-release order; returns the old value. A
+// release is cumulative: stores of the block's other threads that a __syncthreads() ordered
+// before it are published with it, and a __syncthreads() after the acquire orders the other
+// threads' loads after it (what cooperative groups' grid sync relies on).
+__device__ __forceinline__ unsigned fetch_add_acq_rel(unsigned* counter, unsigned value) {
+#if defined(MOEEXT_HIP)
+  return __hip_atomic_fetch_add(counter, value, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+#elif defined(__CUDA_ARCH__)
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(__cvta_generic_to_global(counter)), "r"(value)
+               : "memory");
+  return old;
+#else
+  __threadfence();
+  const unsigned old = atomicAdd(counter, value);
+  __threadfence();
+  return old;
+#endif
+}
+
 // ---- Programmatic dependent launch (moeext/common.h) --------------------------------------
 // A kernel launched with launch_dependent() may start while the grid before it on the stream
 // is still running, so it calls wait_for_prior_grids() before its first global memory access

@@ -50,26 +50,33 @@ struct FusedArgs {
 
 // Whether this block is the last of the grid to be done with its logits; then every other
 // block's logits are visible to all its threads. Every thread of the block calls it.
+// kCounterVariant (moeext::gpu_fused_router_variant) 0: every thread fences before the count,
+// and again in the last block after it; 1: a barrier, then thread 0 counts with one
+// acquire-release atomic (gpu::fetch_add_acq_rel) and a barrier hands its acquire on.
+template <int kCounterVariant>
 __device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks) {
   __shared__ bool last;
-  __threadfence();  // this thread's logits, before its block is counted
+  if constexpr (kCounterVariant == 0) __threadfence();  // this thread's logits, first
   __syncthreads();
   if (gpu::grouped_topk::thread_index() == 0) {
-    const unsigned done_before = atomicAdd(counter, 1u);
+    const unsigned done_before = kCounterVariant == 0 ? atomicAdd(counter, 1u)
+                                                      : gpu::fetch_add_acq_rel(counter, 1u);
     last = done_before == blocks - 1;
     // Every block has counted: the counter is free for the next launch.
     if (last) atomicExch(counter, 0u);
   }
   __syncthreads();
-  if (last) __threadfence();
+  if (kCounterVariant == 0 && last) __threadfence();
   return last;
 }
 
 // One instance per (tokens, warp width, experts per lane, bias dtype, options, and for plain
-// calls the router GEMM's variant, moeext::gpu_router_gemm_variant); the input is bfloat16 and
-// the logits fp32. Instances for a warp width other than the target's, or for a width and
-// experts_per_lane with no warp routing kernel, compile to an empty body.
-template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions, int kGemmVariant = 0>
+// calls the router GEMM's variant, moeext::gpu_router_gemm_variant, and the completion
+// count's, moeext::gpu_fused_router_variant); the input is bfloat16 and the logits fp32.
+// Instances for a warp width other than the target's, or for a width and experts_per_lane
+// with no warp routing kernel, compile to an empty body.
+template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions, int kGemmVariant = 0,
+          int kCounterVariant = 0>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     fused_router_kernel(const FusedArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE && routes_in_one_launch(kWarpSize, V)) {
@@ -84,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
     gpu::allow_dependent_grids();
     gpu::router_gemm::compute_logits_block<kTokens, kWarpSize, gpu::bf16, float>(
         args.gemm, int(gpu::grouped_topk::block_index()));
-    if (!finished_last(args.counter, args.blocks)) return;
+    if (!finished_last<kCounterVariant>(args.counter, args.blocks)) return;
     gpu::grouped_topk::route_tokens_per_warp<kWarpSize, V, float, BiasT, kOptions>(args.routing);
   } else {
     (void)args;  // never launched for this target
@@ -93,41 +100,50 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
 
 using Kernel = void (*)(FusedArgs);
 
+// The variants a plain call runs (moeext/common.h): the router GEMM's and the count's.
+struct PlainVariants {
+  int gemm;
+  int counter;
+};
+
 template <int kTokens, int kWarpSize, int V, typename BiasT>
-Kernel pick_options(bool options, bool prefetch) {
+Kernel pick_options(bool options, PlainVariants plain) {
   if (options) return fused_router_kernel<kTokens, kWarpSize, V, BiasT, true>;
-  if (prefetch) {
-    return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1>;
+  switch (plain.gemm * 2 + plain.counter) {
+    case 1: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 0, 1>;
+    case 2: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1, 0>;
+    case 3: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1, 1>;
+    default: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false>;
   }
-  return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false>;
 }
 
 template <int kTokens, int kWarpSize, int V>
-Kernel pick_bias(bool bias, bool options, bool prefetch) {
-  return bias ? pick_options<kTokens, kWarpSize, V, float>(options, prefetch)
-              : pick_options<kTokens, kWarpSize, V, NoBias>(options, prefetch);
+Kernel pick_bias(bool bias, bool options, PlainVariants plain) {
+  return bias ? pick_options<kTokens, kWarpSize, V, float>(options, plain)
+              : pick_options<kTokens, kWarpSize, V, NoBias>(options, plain);
 }
 
 template <int kTokens, int kWarpSize>
-Kernel pick_experts_per_lane(int experts_per_lane, bool bias, bool options, bool prefetch) {
+Kernel pick_experts_per_lane(int experts_per_lane, bool bias, bool options,
+                             PlainVariants plain) {
   switch (experts_per_lane) {
-    case 4: return pick_bias<kTokens, kWarpSize, 4>(bias, options, prefetch);
-    case 8: return pick_bias<kTokens, kWarpSize, 8>(bias, options, prefetch);
-    case 12: return pick_bias<kTokens, kWarpSize, 12>(bias, options, prefetch);
-    case 16: return pick_bias<kTokens, kWarpSize, 16>(bias, options, prefetch);
+    case 4: return pick_bias<kTokens, kWarpSize, 4>(bias, options, plain);
+    case 8: return pick_bias<kTokens, kWarpSize, 8>(bias, options, plain);
+    case 12: return pick_bias<kTokens, kWarpSize, 12>(bias, options, plain);
+    case 16: return pick_bias<kTokens, kWarpSize, 16>(bias, options, plain);
     default: return nullptr;
   }
 }
 
 template <int kWarpSize>
 Kernel pick_tokens(int token_tile, int experts_per_lane, bool bias, bool options,
-                   bool prefetch) {
+                   PlainVariants plain) {
   switch (token_tile) {
-    case 1: return pick_experts_per_lane<1, kWarpSize>(experts_per_lane, bias, options, prefetch);
-    case 2: return pick_experts_per_lane<2, kWarpSize>(experts_per_lane, bias, options, prefetch);
-    case 4: return pick_experts_per_lane<4, kWarpSize>(experts_per_lane, bias, options, prefetch);
-    case 8: return pick_experts_per_lane<8, kWarpSize>(experts_per_lane, bias, options, prefetch);
-    case 16: return pick_experts_per_lane<16, kWarpSize>(experts_per_lane, bias, options, prefetch);
+    case 1: return pick_experts_per_lane<1, kWarpSize>(experts_per_lane, bias, options, plain);
+    case 2: return pick_experts_per_lane<2, kWarpSize>(experts_per_lane, bias, options, plain);
+    case 4: return pick_experts_per_lane<4, kWarpSize>(experts_per_lane, bias, options, plain);
+    case 8: return pick_experts_per_lane<8, kWarpSize>(experts_per_lane, bias, options, plain);
+    case 16: return pick_experts_per_lane<16, kWarpSize>(experts_per_lane, bias, options, plain);
     default: return nullptr;
   }
 }
@@ -206,12 +222,14 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
 
   const bool bias = r.correction_bias != nullptr;
   const bool options = r.options.any();
-  // The router GEMM's variant 1 (plain calls only; prefetch_weight_rows needs a hidden size).
-  const bool prefetch = gpu_router_gemm_variant() == 1 && params.gemm.hidden_size > 0;
+  // Plain calls only; the router GEMM's variant 1 (prefetch_weight_rows) needs a hidden size.
+  const PlainVariants plain{
+      gpu_router_gemm_variant() == 1 && params.gemm.hidden_size > 0 ? 1 : 0,
+      gpu_fused_router_variant()};
   const Kernel kernel =
       warp_size == 64
-          ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options, prefetch)
-          : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options, prefetch);
+          ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options, plain)
+          : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options, plain);
   if (kernel == nullptr) return "fused_router_gpu: no kernel instance for these params";
   const int64_t smem_bytes = gpu::grouped_topk::fast_smem_bytes(plan, r.num_experts, warps);
   return gpu::launch_dependent(kernel, dim3(args.blocks), dim3(kThreads), size_t(smem_bytes),

@@ -122,6 +122,15 @@ PYBIND11_MODULE(_C, m) {
         "Developers' A/B switch: which small-T router GEMM kernel (and plain fused router\n"
         "kernel) GPU calls run, 0 (the current one) or a variant of the same bits; returns the\n"
         "previous one.");
+  m.def("_set_gpu_fused_router_variant",
+        [](int variant) {
+          return moeext::set_gpu_fused_router_variant(checked_variant(
+              "_set_gpu_fused_router_variant", variant, moeext::kGpuFusedRouterVariants));
+        },
+        py::arg("variant"),
+        "Developers' A/B switch: how the plain one-launch GPU fused router's blocks count\n"
+        "themselves done, 0 (the current way) or a variant of the same bits; returns the\n"
+        "previous one.");
   m.def("programmatic_dependent_launch_supported", [] {
 #if defined(MOEEXT_GPU_BACKEND)
     return moeext::gpu_programmatic_dependent_launch_supported();

@@ -102,7 +102,8 @@ bool gpu_programmatic_dependent_launch_supported();
 //   4: 3, with 2's prefetch.
 constexpr int kGpuRoutingVariants = 5;
 namespace detail {
-// The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM), one flag per binary
+// The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
+// completion count), one flag per binary
 // as programmatic_dependent_launch_flag is.
 template <int kKind>
 inline std::atomic<int>& variant_flag() {
@@ -131,6 +132,20 @@ inline int gpu_router_gemm_variant() {
 }
 inline int set_gpu_router_gemm_variant(int variant) {  // as set_gpu_routing_variant
   return detail::variant_flag<1>().exchange(variant, std::memory_order_relaxed);
+}
+
+// The variants of the fused router's plain one-launch kernel in how its blocks count
+// themselves done (fused_router.cu, kCounterVariant), on the same terms (bench_cuda.py --only
+// fused_router_variant); they combine with the router GEMM variant set:
+//   1: each block's threads meet at a barrier and thread 0 counts the block with one
+//      acquire-release atomic, where every thread fences (sequentially consistent) before the
+//      count and again in the last block after it.
+constexpr int kGpuFusedRouterVariants = 2;
+inline int gpu_fused_router_variant() {
+  return detail::variant_flag<2>().load(std::memory_order_relaxed);
+}
+inline int set_gpu_fused_router_variant(int variant) {  // as set_gpu_routing_variant
+  return detail::variant_flag<2>().exchange(variant, std::memory_order_relaxed);
 }
 
 }  // namespace moeext
