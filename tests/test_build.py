@@ -62,6 +62,27 @@ def _registrations():
     return found
 
 
+# The developers' A/B switches of the GPU kernels (moeext/common.h) and how many variants each
+# has, the current kernel (0) included.
+VARIANT_SWITCHES = {"_set_gpu_routing_variant": 5, "_set_gpu_router_gemm_variant": 2,
+                    "_set_gpu_fused_router_variant": 2}
+
+
+@pytest.mark.parametrize("name", VARIANT_SWITCHES)
+def test_variant_switches_return_the_previous_one_and_refuse_others(name):
+    setter, last = getattr(moeext._C, name), VARIANT_SWITCHES[name] - 1
+    previous = setter(last)
+    try:
+        assert setter(0) == last
+        for bad in (-1, last + 1):
+            with pytest.raises(ValueError, match=f"{name}: variant must be 0 \\(the current "
+                               f"kernel\\) to {last}, got {bad}"):
+                setter(bad)
+        assert setter(0) == 0  # a refused value changes nothing
+    finally:
+        setter(previous)
+
+
 def test_every_op_has_one_schema_a_fake_and_one_binding_file():
     """One schema line, one fake, and every kernel of an op (CPU, CUDA, Autograd) registered
     in one binding file of csrc/torch/ops."""

@@ -694,16 +694,3 @@ def test_variants_give_the_same_fused_router_on_cuda(preset, variants, pdl):
     for got, again, expected in zip(other, replayed, current):
         assert_equal(got, expected)
         assert_equal(again, expected)
-
-
-def test_fused_router_variant_switch_returns_the_previous_one_and_refuses_others():
-    previous = moeext._C._set_gpu_fused_router_variant(1)
-    try:
-        assert moeext._C._set_gpu_fused_router_variant(0) == 1
-        for bad in (-1, 2):
-            with pytest.raises(ValueError, match=f"_set_gpu_fused_router_variant: variant must "
-                               f"be 0 .* to 1, got {bad}"):
-                moeext._C._set_gpu_fused_router_variant(bad)
-        assert moeext._C._set_gpu_fused_router_variant(0) == 0  # a refused value changes nothing
-    finally:
-        moeext._C._set_gpu_fused_router_variant(previous)
