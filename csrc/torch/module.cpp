@@ -59,6 +59,14 @@ int checked_variant(const char* setter, int variant, int count) {
   return variant;
 }
 
+// Binds one such switch as `name`: set(variant) once it is checked, returning the previous one.
+void def_variant_switch(py::module_& m, const char* name, int (*set)(int), int count,
+                        const char* doc) {
+  m.def(
+      name, [name, set, count](int variant) { return set(checked_variant(name, variant, count)); },
+      py::arg("variant"), doc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -105,32 +113,23 @@ PYBIND11_MODULE(_C, m) {
         [](bool enabled) { return moeext::set_gpu_programmatic_dependent_launch(enabled); },
         py::arg("enabled"), "Sets whether the decode-path GPU kernels launch with programmatic\n"
         "dependent launch; returns the previous setting.");
-  m.def("_set_gpu_routing_variant",
-        [](int variant) {
-          return moeext::set_gpu_routing_variant(checked_variant(
-              "_set_gpu_routing_variant", variant, moeext::kGpuRoutingVariants));
-        },
-        py::arg("variant"),
-        "Developers' A/B switch: which warp kernel the plain GPU routing calls run, 0 (the\n"
-        "current one) or a variant of the same bits; returns the previous one.");
-  m.def("_set_gpu_router_gemm_variant",
-        [](int variant) {
-          return moeext::set_gpu_router_gemm_variant(checked_variant(
-              "_set_gpu_router_gemm_variant", variant, moeext::kGpuRouterGemmVariants));
-        },
-        py::arg("variant"),
-        "Developers' A/B switch: which small-T router GEMM kernel (and plain fused router\n"
-        "kernel) GPU calls run, 0 (the current one) or a variant of the same bits; returns the\n"
-        "previous one.");
-  m.def("_set_gpu_fused_router_variant",
-        [](int variant) {
-          return moeext::set_gpu_fused_router_variant(checked_variant(
-              "_set_gpu_fused_router_variant", variant, moeext::kGpuFusedRouterVariants));
-        },
-        py::arg("variant"),
-        "Developers' A/B switch: how the plain one-launch GPU fused router's blocks count\n"
-        "themselves done, 0 (the current way) or a variant of the same bits; returns the\n"
-        "previous one.");
+  def_variant_switch(
+      m, "_set_gpu_routing_variant", &moeext::set_gpu_routing_variant,
+      moeext::kGpuRoutingVariants,
+      "Developers' A/B switch: which warp kernel the plain GPU routing calls run, 0 (the\n"
+      "current one) or a variant of the same bits; returns the previous one.");
+  def_variant_switch(
+      m, "_set_gpu_router_gemm_variant", &moeext::set_gpu_router_gemm_variant,
+      moeext::kGpuRouterGemmVariants,
+      "Developers' A/B switch: which small-T router GEMM kernel (and plain fused router\n"
+      "kernel) GPU calls run, 0 (the current one) or a variant of the same bits; returns the\n"
+      "previous one.");
+  def_variant_switch(
+      m, "_set_gpu_fused_router_variant", &moeext::set_gpu_fused_router_variant,
+      moeext::kGpuFusedRouterVariants,
+      "Developers' A/B switch: how the plain one-launch GPU fused router's blocks count\n"
+      "themselves done, 0 (the current way) or a variant of the same bits; returns the\n"
+      "previous one.");
   m.def("programmatic_dependent_launch_supported", [] {
 #if defined(MOEEXT_GPU_BACKEND)
     return moeext::gpu_programmatic_dependent_launch_supported();
