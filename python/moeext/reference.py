@@ -29,7 +29,8 @@ def _rounded_score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
         return 1 / (1 + _exp(-x))
     if scoring_func == "sqrtsoftplus":
         # torch's softplus: x itself above the threshold 20, log1p(exp(x)) below.
-        return torch.sqrt(torch.where(x > 20, x, torch.log1p(_exp(x).double()).float()))
+        softplus = torch.where(x > 20, x, torch.log1p(_exp(x).double()).float())
+        return torch.sqrt(softplus.double()).float()
     e = _exp(x - x.amax(dim=-1, keepdim=True))
     return e / e.sum(dim=-1, keepdim=True)
 
@@ -44,11 +45,13 @@ def _torch_score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 
 def _score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    """Step 1 in float32, with each exp and log1p rounded once from float64.
+    """Step 1 in float32, with each exp, log1p and square root rounded once from float64.
 
     Not the values of torch's float32 sigmoid and softplus: in a row that is a whole tensor
     they round the elements past the last full vector differently from the rest, so equal
-    logits could score an ulp apart and the expected order would break step 5's tie rule. A
+    logits could score an ulp apart and the expected order would break step 5's tie rule.
+    Nor torch's float32 square root: on x86-64 (torch 2.13) about a sixth of its results are
+    an ulp off the correctly rounded root that the kernels' IEEE square roots give. A
     float64 result rounded to float32 is the same wherever it is computed, unless it lies
     within a float64 ulp of a rounding boundary. The derivative, where ``x`` requires grad,
     is autograd's through torch's functions, which the composed formulas would lose to
