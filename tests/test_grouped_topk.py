@@ -348,6 +348,30 @@ def test_exp_overflow_and_underflow_ranges(device_isa, scoring_func):
                                    rtol=2 * 2.0**-149 / smallest_exp)
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_sqrtsoftplus_of_the_smallest_subnormals(device_isa, renormalize):
+    """Logits whose exp is m x 2^-149 for m = 1..48, far from any rounding boundary, in an
+    order unlike their values: each sqrt-softplus score is sqrt(m x 2^-149) exactly, so
+    adjacent m stay apart (no tie for the index rule to break) and the smallest is not 0.
+    A log1p that halved its argument first rounded odd m to even ones."""
+    device, _ = device_isa
+    m = torch.arange(1, 49, dtype=torch.float64)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.stack([(m.log() - 149 * math.log(2))[torch.randperm(48, generator=g)]
+                          for _ in range(5)]).float()
+    assert torch.equal(torch.exp(logits.double()).float(),
+                       torch.exp(logits.double()).div(2.0**-149).round().mul(2.0**-149).float())
+    kw = dict(num_expert_group=1, topk_group=1, topk=12, renormalize=renormalize,
+              scoring_func="sqrtsoftplus")
+    weights, ids = run_and_check(logits.to(device), None, strict=True, **kw)
+    ref_weights, ref_ids = moeext.reference.biased_grouped_topk(logits, None, **kw)
+    assert torch.equal(ids.cpu(), ref_ids)
+    if renormalize:  # the sum of twelve weights, in whatever order each adds them
+        torch.testing.assert_close(weights.cpu(), ref_weights, rtol=2e-6, atol=0)
+    else:
+        assert torch.equal(weights.cpu(), ref_weights)
+
+
 # ---------------------------------------------------------------------------------------
 # The CPU candidate pass (sqrt-softplus, every group kept): rows are ranked on approximate
 # scores to find the experts that can be chosen, and only those are scored exactly. Its

@@ -99,15 +99,22 @@ MOEEXT_ALWAYS_INLINE Vec vexp_neg(Vec x) {
 // in float64 on Chebyshev nodes, coefficients rounded to float). About a third of the
 // operations of log(1 + t) through a general log, and no divide: the reciprocal's error is far below
 // the rounding of 2 + t.
+// Formed in u = 2s = t (2 / (2 + t)): 2 atanh(s) = u + u z q(z) with z = u^2 / 4, the 4 folded
+// into q's coefficients (c_k / 4^(k+1), exact). Every step is the plain form's scaled by a
+// power of two, so the bits are the same wherever s is a normal float, with as many operations
+// of each kind. But a subnormal t (sqrt-softplus of a logit below -87.3) comes back as itself,
+// log1p's rounded value there, where halving it into s dropped its last bit (the smallest to
+// 0): scores a few percent off once the square root is taken, and tied where the experts'
+// logits differ.
 inline Vec vlog1p_unit(Vec t) {
-  const Vec s = t * Vec::reciprocal(t + Vec::set1(2.0f));
-  const Vec z = s * s;
-  Vec q = Vec::set1(0.14007562f);
-  q = Vec::fmadd(q, z, Vec::set1(0.14000423f));
-  q = Vec::fmadd(q, z, Vec::set1(0.2001081f));
-  q = Vec::fmadd(q, z, Vec::set1(0.33333206f));
-  const Vec half = Vec::fmadd(s * z, q, s);  // atanh(s)
-  return half + half;
+  const Vec r = Vec::reciprocal(t + Vec::set1(2.0f));
+  const Vec u = t * (r + r);
+  const Vec z4 = u * u;  // 4 z
+  Vec q = Vec::set1(0.14007562f * 0x1p-8f);
+  q = Vec::fmadd(q, z4, Vec::set1(0.14000423f * 0x1p-6f));
+  q = Vec::fmadd(q, z4, Vec::set1(0.2001081f * 0x1p-4f));
+  q = Vec::fmadd(q, z4, Vec::set1(0.33333206f * 0x1p-2f));  // q(z) / 4
+  return Vec::fmadd(u * z4, q, u);
 }
 
 }  // namespace moeext::cpu::MOEEXT_CPU_ISA

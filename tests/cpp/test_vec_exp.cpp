@@ -10,6 +10,9 @@
 // - vexp is vexp_clamped of the clamped x bit for bit: where |x| <= 87 the layers without a
 //   scalef instruction form 2^n as one power of two, and must give scalef's bits. (The
 //   other two follow, being vexp's bits.)
+// And the log1p of sqrt-softplus, vlog1p_unit on t in [0, 1]: within 2 ulps of log1p rounded
+// to float on every 257th bit pattern, and t itself for every subnormal t and every t below
+// 2^-24 (where log1p(t) rounds to t), the exp of a logit below -87.3 included.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +32,7 @@ using moeext::cpu::portable::vexp;
 using moeext::cpu::portable::vexp_clamped;
 using moeext::cpu::portable::vexp_neg;
 using moeext::cpu::portable::vexp_nonpositive;
+using moeext::cpu::portable::vlog1p_unit;
 
 namespace {
 
@@ -94,6 +98,19 @@ void check_exp_nonpositive(float x) {
         float_to_bits(x), double(got), float_to_bits(got), double(want), float_to_bits(want));
 }
 
+void check_log1p(float t) {
+  const float got = lane0(vlog1p_unit(Vec::set1(t)));
+  const float rounded = float(std::log1p(double(t)));
+  if (t < 0x1p-24f) {
+    CHECK(float_to_bits(got) == float_to_bits(t), "vlog1p_unit(%.9g) (%08x) = %.9g (%08x)",
+          double(t), float_to_bits(t), double(got), float_to_bits(got));
+    return;
+  }
+  const int64_t ulps = int64_t(float_to_bits(got)) - int64_t(float_to_bits(rounded));
+  CHECK(ulps >= -2 && ulps <= 2, "vlog1p_unit(%.9g) = %.9g, log1p rounds to %.9g (%lld ulps)",
+        double(t), double(got), double(rounded), static_cast<long long>(ulps));
+}
+
 void check(float x) {
   check_exp(x);
   check_exp_scaling(x);
@@ -114,5 +131,9 @@ int main() {
   }
   for (uint32_t hi = 0; hi < 0x10000u; ++hi) check(bits_to_float(hi << 16));
   for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 257) check(bits_to_float(uint32_t(bits)));
+  const uint32_t one = float_to_bits(1.0f);
+  for (uint32_t bits = 0; bits < float_to_bits(0x1p-120f); ++bits) check_log1p(bits_to_float(bits));
+  for (uint32_t bits = 0; bits <= one; bits += 257) check_log1p(bits_to_float(bits));
+  check_log1p(1.0f);
   return moeext_test::finish("test_vec_exp");
 }
