@@ -1,0 +1,312 @@
+// The fibers and their meeting points (runtime.h). x86-64 System V only: a fiber switch saves
+// the callee-saved registers and the FP control words on the fiber's stack and swaps stacks.
+#include "runtime.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#if !defined(__x86_64__)
+#error "the GPU emulation's fiber switch is written for x86-64"
+#endif
+
+extern "C" void moeext_emu_switch(void** save_sp, void* load_sp);
+
+asm(R"(
+.text
+.globl moeext_emu_switch
+.type moeext_emu_switch,@function
+moeext_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size moeext_emu_switch, .-moeext_emu_switch
+)");
+
+namespace moeext_emu {
+namespace {
+
+constexpr size_t kStackBytes = size_t(256) << 10;
+
+// Why a fiber is not running: it has not started, it waits at a meeting point, or it is done.
+enum class State { kReady, kWaiting, kDone };
+
+// Which meeting point a lane waits at: the lanes of a warp must all be at the same kind.
+enum class Meet { kNone, kWarpSync, kExchange, kBallot };
+
+struct Fiber {
+  void* sp = nullptr;
+  State state = State::kReady;
+  Dim3 thread;
+  int linear = 0;
+  uint64_t waits_for = 0;  // the generation of the barrier it waits at
+  bool at_block_barrier = false;
+};
+
+struct Warp {
+  int live = 0;
+  int arrived = 0;
+  uint64_t generation = 0;
+  Meet meet = Meet::kNone;
+  uint64_t slots[64] = {};
+};
+
+struct Block {
+  Dim3 index;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  int live = 0;
+  int arrived = 0;
+  uint64_t generation = 0;
+  std::string error;
+};
+
+struct Launch {
+  Dim3 grid, block;
+  const std::function<void()>* body = nullptr;
+  std::vector<unsigned char> shared;
+  Block current;
+  void* scheduler_sp = nullptr;
+  Fiber* running = nullptr;
+  std::vector<std::unique_ptr<char[]>> stacks;
+};
+
+Launch* g_launch = nullptr;
+std::string g_error;
+Dim3 g_host_dim;  // what thread_idx() and the rest return outside a launch
+
+Block& block() { return g_launch->current; }
+Fiber& me() { return *g_launch->running; }
+
+void yield() { moeext_emu_switch(&me().sp, g_launch->scheduler_sp); }
+
+[[noreturn]] void fiber_entry() {
+  Launch& l = *g_launch;
+  Fiber& f = *l.running;
+  (*l.body)();
+  Block& b = block();
+  f.state = State::kDone;
+  --b.live;
+  Warp& w = b.warps[size_t(f.linear / settings().warp_size)];
+  --w.live;
+  // A barrier the others wait at counts only the threads still running, as on the GPU.
+  if (b.live > 0 && b.arrived > 0 && b.arrived == b.live) {
+    b.arrived = 0;
+    ++b.generation;
+  }
+  if (w.live > 0 && w.arrived > 0) {
+    b.error = "a lane of a warp exited while the others met at a warp collective";
+  }
+  moeext_emu_switch(&f.sp, l.scheduler_sp);
+  __builtin_unreachable();
+}
+
+// A fresh fiber's stack, laid out as moeext_emu_switch leaves a suspended one: the control
+// words, six callee-saved registers, and fiber_entry as the return address, placed so that
+// fiber_entry starts with the stack aligned as after a call.
+void* fresh_stack(char* base) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + kStackBytes) & ~uintptr_t(15);
+  auto* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = 0;  // where fiber_entry's caller's return address would be
+  *--sp = reinterpret_cast<uint64_t>(&fiber_entry);
+  for (int i = 0; i < 6; ++i) *--sp = 0;
+  uint32_t mxcsr = 0;
+  uint16_t fpcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpcw));
+  *--sp = uint64_t(mxcsr) | (uint64_t(fpcw) << 32);
+  return sp;
+}
+
+// Runs the fibers of the current block in the settings' order until all are done, or until
+// none can move (a barrier some thread never reaches) or one reports an error.
+void run_block(std::mt19937_64& rng) {
+  Block& b = block();
+  std::vector<int> order(b.fibers.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  const Order how = settings().order;
+  if (how == Order::kBackward) std::reverse(order.begin(), order.end());
+  for (;;) {
+    if (how == Order::kShuffled) std::shuffle(order.begin(), order.end(), rng);
+    bool moved = false;
+    bool all_done = true;
+    for (int i : order) {
+      Fiber& f = b.fibers[size_t(i)];
+      if (f.state == State::kDone) continue;
+      all_done = false;
+      if (f.state == State::kWaiting) {
+        const uint64_t now = f.at_block_barrier
+                                 ? b.generation
+                                 : b.warps[size_t(f.linear / settings().warp_size)].generation;
+        if (now == f.waits_for) continue;
+        f.state = State::kReady;
+      }
+      moved = true;
+      g_launch->running = &f;
+      moeext_emu_switch(&g_launch->scheduler_sp, f.sp);
+      g_launch->running = nullptr;
+      if (!b.error.empty()) return;
+    }
+    if (all_done) return;
+    if (!moved) {
+      b.error = "deadlock: the block's threads wait at barriers or warp collectives that the "
+                "others never reach";
+      return;
+    }
+  }
+}
+
+void wait_warp(Meet meet) {
+  Block& b = block();
+  Fiber& f = me();
+  Warp& w = b.warps[size_t(f.linear / settings().warp_size)];
+  if (w.arrived == 0) {
+    w.meet = meet;
+  } else if (w.meet != meet) {
+    b.error = "the lanes of a warp reached different warp collectives";
+    yield();
+  }
+  const uint64_t generation = w.generation;
+  if (++w.arrived == w.live) {
+    w.arrived = 0;
+    ++w.generation;
+    return;
+  }
+  f.state = State::kWaiting;
+  f.at_block_barrier = false;
+  f.waits_for = generation;
+  yield();
+}
+
+int lane() { return me().linear % settings().warp_size; }
+
+Warp& my_warp() { return block().warps[size_t(me().linear / settings().warp_size)]; }
+
+}  // namespace
+
+Settings& settings() {
+  static Settings s;
+  return s;
+}
+
+std::string take_error() {
+  std::string e;
+  e.swap(g_error);
+  return e;
+}
+
+void record_error(const std::string& message) {
+  if (g_error.empty()) g_error = message;
+}
+
+std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
+                   const std::function<void()>& body) {
+  if (g_launch != nullptr) return "a launch from inside a kernel";
+  const int warp = settings().warp_size;
+  const size_t threads = size_t(block_dim.x) * block_dim.y * block_dim.z;
+  if (threads == 0 || threads > 1024) return "invalid block size";
+  if (size_t(grid.x) * grid.y * grid.z == 0) return "invalid grid size";
+  if (grid.y > 65535 || grid.z > 65535) return "grid too large";
+
+  Launch l;
+  l.grid = grid;
+  l.block = block_dim;
+  l.body = &body;
+  l.shared.resize(std::max<size_t>(dynamic_shared_bytes, 16));
+  l.stacks.resize(threads);
+  for (auto& s : l.stacks) s.reset(new char[kStackBytes]);
+  g_launch = &l;
+  std::mt19937_64 rng(settings().seed);
+  std::string error;
+  for (unsigned bz = 0; bz < grid.z && error.empty(); ++bz) {
+    for (unsigned by = 0; by < grid.y && error.empty(); ++by) {
+      for (unsigned bx = 0; bx < grid.x && error.empty(); ++bx) {
+        // Uninitialised on the GPU: a pattern no block should read before writing.
+        std::fill(l.shared.begin(), l.shared.end(), static_cast<unsigned char>(0xcd));
+        Block& b = l.current;
+        b = Block{};
+        b.index = Dim3{bx, by, bz};
+        b.fibers.resize(threads);
+        b.warps.resize((threads + size_t(warp) - 1) / size_t(warp));
+        b.live = int(threads);
+        for (size_t i = 0; i < threads; ++i) {
+          Fiber& f = b.fibers[i];
+          f.linear = int(i);
+          f.thread = Dim3{unsigned(i % block_dim.x), unsigned(i / block_dim.x % block_dim.y),
+                          unsigned(i / (size_t(block_dim.x) * block_dim.y))};
+          f.sp = fresh_stack(l.stacks[i].get());
+          ++b.warps[i / size_t(warp)].live;
+        }
+        run_block(rng);
+        error = b.error;
+      }
+    }
+  }
+  g_launch = nullptr;
+  return error;
+}
+
+const Dim3& thread_idx() { return g_launch ? me().thread : g_host_dim; }
+const Dim3& block_idx() { return g_launch ? block().index : g_host_dim; }
+const Dim3& block_dim() { return g_launch ? g_launch->block : g_host_dim; }
+const Dim3& grid_dim() { return g_launch ? g_launch->grid : g_host_dim; }
+void* dynamic_shared() { return g_launch ? g_launch->shared.data() : nullptr; }
+
+void sync_block() {
+  Block& b = block();
+  Fiber& f = me();
+  const uint64_t generation = b.generation;
+  if (++b.arrived == b.live) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  f.state = State::kWaiting;
+  f.at_block_barrier = true;
+  f.waits_for = generation;
+  yield();
+}
+
+void sync_warp() { wait_warp(Meet::kWarpSync); }
+
+uint64_t warp_exchange(uint64_t value, int source) {
+  my_warp().slots[lane()] = value;
+  wait_warp(Meet::kExchange);
+  const int width = settings().warp_size;
+  const uint64_t result = my_warp().slots[((source % width) + width) % width];
+  wait_warp(Meet::kExchange);
+  return result;
+}
+
+uint64_t warp_ballot(bool predicate) {
+  my_warp().slots[lane()] = predicate ? 1 : 0;
+  wait_warp(Meet::kBallot);
+  uint64_t bits = 0;
+  const Warp& w = my_warp();
+  for (int i = 0; i < settings().warp_size; ++i) bits |= w.slots[i] << i;
+  wait_warp(Meet::kBallot);
+  return bits;
+}
+
+}  // namespace moeext_emu
