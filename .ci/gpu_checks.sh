@@ -91,4 +91,5 @@ fi
 python .ci/check_grid_dependency.py --all "$CUOBJDUMP" "$SO"
 
 # ---- 3. The suite against the CUDA build ------------------------------------------------
-python -m pytest tests -q
+# (Without the emulated GPU kernels, which the first suite ran: this build adds nothing to them.)
+MOEEXT_TEST_GPU_EMULATION=0 python -m pytest tests -q

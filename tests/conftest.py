@@ -8,12 +8,17 @@ than on the current one.
 Fixtures:
   ``device``      one run per entry of DEVICES (the device string to put inputs on).
   ``device_isa``  ``(device, isa)``: one run per CPU instruction-set path on the cpu (the path
-                  is forced for the test), and one run per GPU with ``isa`` None. GPU runs are
-                  not multiplied by the number of CPU paths.
+                  is forced for the test), one run per GPU with ``isa`` None, and one run per
+                  emulated GPU warp width (``isa`` "gpu-emulation-wave32" or "-wave64"): the
+                  GPU kernels built for the host and run there (tests/gpu_emulation/), on cpu
+                  tensors, with moeext's routing ops replaced for the test by ones that launch
+                  them. GPU runs are not multiplied by the number of CPU paths.
   ``cpu_isa``     one run per CPU path, cpu only: for tests about the CPU paths themselves.
 
 Test ids name what runs the kernel: ``avx512``, ``portable``, ... for the cpu paths, ``cpu`` for
-cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs.
+cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs, ``gpu-emulation-wave32``
+and ``-wave64`` for the GPU kernels run on the host. ``MOEEXT_TEST_GPU_EMULATION=0`` leaves the
+emulated runs out.
 
 Property-based tests run 300 examples each (hypothesis profile ``moeext``). The ``fuzz``
 profile runs 20,000, for a long search on demand:
@@ -22,7 +27,11 @@ profile runs 20,000, for a long search on demand:
 
 import contextlib
 import os
+import platform
+import shutil
 import tempfile
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,16 +94,81 @@ def device(request):
     return request.param
 
 
+EMULATION_WIDTHS = [] if os.environ.get("MOEEXT_TEST_GPU_EMULATION") == "0" else [32, 64]
+_EMULATION_PREFIX = "gpu-emulation-wave"
 _DEVICE_ISA_PARAMS = ([pytest.param(("cpu", isa), id=isa) for isa in CPU_ISAS]
-                      + [pytest.param((d, None), id=d) for d in GPU_DEVICES])
+                      + [pytest.param((d, None), id=d) for d in GPU_DEVICES]
+                      + [pytest.param(("cpu", f"{_EMULATION_PREFIX}{w}"), id=f"{_EMULATION_PREFIX}{w}")
+                         for w in EMULATION_WIDTHS])
+
+_EMULATION_DIR = Path(__file__).resolve().parent / "gpu_emulation"
+_emulation_modules = {}
+
+
+def _emulation_file(name):
+    """tests/gpu_emulation/<name>.py, imported under a name of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"moeext_gpu_emulation_{name}",
+                                                  _EMULATION_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+# Per emulated test: how many GPU kernels it launched (the summary lists those with none).
+EMULATED_LAUNCHES = {}
+
+
+def emulated_gpu_module(warp_size):
+    """The GPU kernels built for the host at this warp width, built once per session (a build
+    failure fails every emulated test with the compiler's message)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the GPU emulation's fibers are written for x86-64")
+    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+        pytest.skip("the GPU emulation needs a C++ compiler and ninja")
+    if warp_size not in _emulation_modules:
+        prepare = _emulation_file("prepare")
+        root = Path(os.environ.get("MOEEXT_GPU_EMULATION_BUILD",
+                                   Path(tempfile.gettempdir()) / "moeext-gpu-emulation"))
+        try:
+            _emulation_modules[warp_size] = prepare.load(root, warp_size)
+        except Exception as e:  # noqa: BLE001 (kept, so the next test fails at once)
+            _emulation_modules[warp_size] = e
+    module = _emulation_modules[warp_size]
+    if isinstance(module, Exception):
+        pytest.fail(f"the GPU emulation did not build: {module}")
+    return module
+
+
+@contextlib.contextmanager
+def emulated_gpu_ops(warp_size, monkeypatch, nodeid):
+    """moeext's routing ops replaced by ones that launch the GPU kernels on the host. The order
+    in which a block's threads run between meeting points (forward, backward, shuffled) and the
+    shuffle's seed come from the test's id, so that the emulated tests between them run every
+    order, and each test the same one every time."""
+    ops = _emulation_file("ops").EmulatedOps(emulated_gpu_module(warp_size))
+    key = zlib.crc32(nodeid.encode())
+    ops.module.configure(key % 3, key, 132, 0, 0, 0)
+    for name in ops.NAMES:
+        monkeypatch.setattr(moeext, name, getattr(ops, name))
+    yield ops
 
 
 @pytest.fixture(params=_DEVICE_ISA_PARAMS)
-def device_isa(request):
-    """``(device, isa)``: every CPU path on the cpu (forced while the test runs), each GPU once."""
+def device_isa(request, monkeypatch):
+    """``(device, isa)``: every CPU path on the cpu (forced while the test runs), each GPU once,
+    each emulated GPU width once."""
     device, isa = request.param
     if isa is None:
         yield device, None
+        return
+    if isa.startswith(_EMULATION_PREFIX):
+        if not getattr(request.module, "GPU_EMULATION", True):
+            pytest.skip("this module's ops are not wired into the GPU emulation")
+        width = int(isa[len(_EMULATION_PREFIX):])
+        with emulated_gpu_ops(width, monkeypatch, request.node.nodeid) as ops:
+            yield device, isa
+        EMULATED_LAUNCHES[request.node.nodeid] = ops.launches
         return
     with forced_cpu_isa(isa):
         yield device, isa
@@ -105,3 +179,20 @@ def cpu_isa(request):
     """Runs a cpu-only test once per CPU instruction-set path this build has (and this CPU runs)."""
     with forced_cpu_isa(request.param) as isa:
         yield isa
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How much of the emulated runs reached a GPU kernel (a test whose every call was checked
+    or routed on the CPU, e.g. zero tokens or a gradient, launches none), per test function."""
+    if not EMULATED_LAUNCHES:
+        return
+    none = {}
+    for nodeid, launches in EMULATED_LAUNCHES.items():
+        if launches == 0:
+            function = nodeid.split("[")[0]
+            none[function] = none.get(function, 0) + 1
+    terminalreporter.write_line(
+        f"GPU emulation: {len(EMULATED_LAUNCHES)} tests, {sum(EMULATED_LAUNCHES.values())} kernel "
+        f"launches; {sum(none.values())} tests launched none:")
+    for function, count in sorted(none.items()):
+        terminalreporter.write_line(f"  {count:4d} x {function}")

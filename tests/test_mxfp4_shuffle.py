@@ -10,6 +10,9 @@ import torch
 import moeext
 from moeext import reference
 
+# conftest's device_isa: the shuffles are not wired into the GPU emulation (tests/gpu_emulation/).
+GPU_EMULATION = False
+
 WEIGHT_DTYPES = [torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2,
                  torch.float4_e2m1fn_x2, torch.bfloat16, torch.float16]
 SCALE_DTYPES = [torch.uint8, torch.float8_e8m0fnu]

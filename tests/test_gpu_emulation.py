@@ -1,0 +1,175 @@
+"""The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
+the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
+for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, fused router count 1) and the
+orders a block's threads run in.
+
+A variant or a run order must change no bit: every result here is compared with torch.equal
+against variant 0 run forward, and that against the reference as the suite compares it. The
+emulation builds each kernel as HIP for the host, at a warp width of 32 and of 64 (CDNA), so
+it checks the kernels' logic; the device's own arithmetic (CUDA's expf) and speed need a GPU.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EMULATION_WIDTHS, emulated_gpu_module
+from moeext import reference
+from moeext.presets import PRESETS
+from routing_check import assert_routing_matches
+
+HERE = Path(__file__).resolve().parent / "gpu_emulation"
+SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
+ORDERS = {"forward": 0, "backward": 1, "shuffled": 2}
+MULTIPROCESSORS = 132  # an H100's or H200's: the grids the launchers size for them
+
+pytestmark = pytest.mark.skipif(not EMULATION_WIDTHS, reason="MOEEXT_TEST_GPU_EMULATION=0")
+
+
+@pytest.fixture(params=EMULATION_WIDTHS, ids=lambda w: f"wave{w}")
+def emu(request):
+    return emulated_gpu_module(request.param)
+
+
+def _configure(emu, order=0, routing=0, gemm=0, fused=0, seed=1):
+    emu.configure(order, seed, MULTIPROCESSORS, routing, gemm, fused)
+
+
+def _bits(*tensors):
+    return [t.view(torch.int32) if t.dtype == torch.float32 else t for t in tensors]
+
+
+def _assert_same_bits(got, expected, what):
+    for g, e in zip(_bits(*got), _bits(*expected)):
+        assert torch.equal(g, e), what
+
+
+@pytest.mark.parametrize("warp_size", EMULATION_WIDTHS)
+def test_the_emulation_itself(warp_size, tmp_path):
+    """Barriers, shuffles and ballots as on the GPU, and the faults reported: a deadlock, lanes
+    at different collectives, a lane gone from a collective, a read missing its barrier."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.skip("no C++ compiler")
+    binary = tmp_path / "test_runtime"
+    build = subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror",
+         f"-DMOEEXT_EMU_WARP_SIZE={warp_size}", f"-I{HERE / 'include'}",
+         str(HERE / "test_runtime.cpp"), str(HERE / "runtime.cpp"), "-o", str(binary)],
+        capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# ---- routing ------------------------------------------------------------------------------
+
+def _route(emu, logits, bias, p):
+    k = p.op_kwargs()
+    weights = torch.empty(logits.shape[0], k["topk"])
+    ids = torch.empty(logits.shape[0], k["topk"], dtype=torch.int32)
+    emu.routing(logits, bias, weights, ids, k["num_expert_group"], k["topk_group"], k["topk"],
+                k["renormalize"], k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
+                None, None, None, None)
+    return weights, ids
+
+
+ROUTING_CASES = [(preset, dtype, num_tokens)
+                 for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4-pro", "nemotron-style",
+                                "deepseek-v2")
+                 for dtype in (torch.float32, torch.bfloat16)
+                 for num_tokens in (1, 37, 300)]
+
+
+@pytest.mark.parametrize("preset,dtype,num_tokens", ROUTING_CASES,
+                         ids=[f"{p}-{str(d)[6:]}-{t}" for p, d, t in ROUTING_CASES])
+def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_tokens):
+    p = PRESETS[preset]
+    g = torch.Generator().manual_seed(num_tokens)
+    logits = (2 * torch.randn(num_tokens, p.num_experts, generator=g)).to(dtype)
+    logits[num_tokens // 2, : p.num_experts // 2] = 0.5  # a row of ties
+    bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)) if p.has_bias else None
+    _configure(emu)
+    expected = _route(emu, logits, bias, p)
+    assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
+    for variant in range(1, 5):
+        for order, code in ORDERS.items():
+            _configure(emu, order=code, routing=variant, seed=variant)
+            _assert_same_bits(_route(emu, logits, bias, p), expected,
+                              f"routing variant {variant}, {order} order")
+    _configure(emu)
+
+
+# ---- router GEMM and fused router ---------------------------------------------------------
+
+def _gemm_inputs(num_tokens, num_experts, hidden_size, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
+    hidden = torch.randn(num_tokens, hidden_size, generator=g).to(dtype)
+    weight = (0.05 * torch.randn(num_experts, hidden_size, generator=g)).to(dtype)
+    return hidden, weight
+
+
+# 9-16 tokens only where the small-T kernel's blocks fit one wave of 132 multiprocessors.
+GEMM_CASES = ([(t, e, h) for t in (1, 4) for e, h in ((256, 7168), (384, 2056), (72, 264))]
+              + [(t, e, h) for t in (9, 16) for e, h in ((256, 7168), (72, 264))])
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,hidden_size", GEMM_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_router_gemm_variant_and_orders_change_no_bit(emu, num_tokens, num_experts, hidden_size,
+                                                      dtype):
+    hidden, weight = _gemm_inputs(num_tokens, num_experts, hidden_size, dtype)
+    _configure(emu)
+    expected = torch.empty(num_tokens, num_experts)
+    assert emu.router_gemm(hidden, weight, expected), "the small-T kernel takes this GEMM"
+    torch.testing.assert_close(expected, reference.router_gemm(hidden, weight), rtol=2e-5,
+                               atol=2e-5)
+    for variant in (0, 1):
+        for order, code in ORDERS.items():
+            _configure(emu, order=code, gemm=variant, seed=7)
+            got = torch.empty(num_tokens, num_experts)
+            assert emu.router_gemm(hidden, weight, got)
+            _assert_same_bits([got], [expected], f"GEMM variant {variant}, {order} order")
+    _configure(emu)
+
+
+# Kimi-K2's 384 experts at 16 tokens are more blocks than a wave: two kernels then.
+FUSED_CASES = [(preset, t) for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4-flash",
+                                          "deepseek-v2")
+               for t in (1, 3, 8, 16) if (preset, t) != ("kimi-k2", 16)]
+
+
+@pytest.mark.parametrize("preset,num_tokens", FUSED_CASES)
+def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset, num_tokens):
+    """SPEC section 7 on one device: the one launch gives the bits of router_gemm_gpu then
+    biased_grouped_topk_gpu, whichever block finishes last, in every variant; and the
+    completion counter it shares with the next launch is back at zero after each."""
+    p = PRESETS[preset]
+    k = p.op_kwargs()
+    hidden, weight = _gemm_inputs(num_tokens, p.num_experts, 1032)
+    bias = (2 + 0.05 * torch.randn(p.num_experts)) if p.has_bias else None
+    _configure(emu)
+    logits = torch.empty(num_tokens, p.num_experts)
+    assert emu.router_gemm(hidden, weight, logits)
+    expected = (*_route(emu, logits, bias, p), logits)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for gemm in (0, 1):
+        for count in (0, 1):
+            for order, code in ORDERS.items():
+                _configure(emu, order=code, gemm=gemm, fused=count, seed=gemm * 2 + count)
+                got = (torch.empty(num_tokens, k["topk"]),
+                       torch.empty(num_tokens, k["topk"], dtype=torch.int32),
+                       torch.empty(num_tokens, p.num_experts))
+                assert emu.fused_router(hidden, weight, bias, *got, counter,
+                                        k["num_expert_group"], k["topk_group"], k["topk"],
+                                        k["renormalize"], k["routed_scaling_factor"],
+                                        SCORING[k["scoring_func"]], 0, 1.0, None, None, None,
+                                        None), "one launch takes this call"
+                _assert_same_bits(got, expected,
+                                  f"GEMM variant {gemm}, count variant {count}, {order} order")
+                assert int(counter) == 0
+    _configure(emu)
