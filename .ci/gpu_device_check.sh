@@ -15,6 +15,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/build-gpu-check}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The device's own tests only: the emulated GPU kernels' ids (gpu-emulation-cuda) match -k cuda.
+export MOEEXT_TEST_GPU_EMULATION=0
 PY="${PYTHON:-python3}"
 STEPS="${*:-all}"
 want() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }

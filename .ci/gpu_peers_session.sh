@@ -34,6 +34,8 @@ root=$PWD
 OUT="${OUT:-$root/gpu-session-out}"
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
+# The device's own tests only: the emulated GPU kernels' ids (gpu-emulation-cuda) match -k cuda.
+export MOEEXT_TEST_GPU_EMULATION=0
 PY="${PYTHON:-python3}"
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -102,8 +104,7 @@ fi
 
 # PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
 # (test_programmatic_launch.py says whether it took effect on this device).
-MOEEXT_ENABLE_PDL=1 MOEEXT_TEST_GPU_EMULATION=0 timeout -k 10 "${PDL_S:-55}" "$PY" -m pytest -q \
-  -p no:cacheprovider -x \
+MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PDL_S:-55}" "$PY" -m pytest -q -p no:cacheprovider -x \
   tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
   tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py \
   -k "(cuda or programmatic) and not variant" \

@@ -9,15 +9,16 @@ Fixtures:
   ``device``      one run per entry of DEVICES (the device string to put inputs on).
   ``device_isa``  ``(device, isa)``: one run per CPU instruction-set path on the cpu (the path
                   is forced for the test), one run per GPU with ``isa`` None, and one run per
-                  emulated GPU warp width (``isa`` "gpu-emulation-wave32" or "-wave64"): the
-                  GPU kernels built for the host and run there (tests/gpu_emulation/), on cpu
-                  tensors, with moeext's routing ops replaced for the test by ones that launch
-                  them. GPU runs are not multiplied by the number of CPU paths.
+                  emulated GPU (``isa`` "gpu-emulation-cuda", sm_90's code, or
+                  "gpu-emulation-hip64", CDNA's): the GPU kernels built for the host and run
+                  there (tests/gpu_emulation/), on cpu tensors, with moeext's routing ops
+                  replaced for the test by ones that launch them. GPU runs are not multiplied
+                  by the number of CPU paths.
   ``cpu_isa``     one run per CPU path, cpu only: for tests about the CPU paths themselves.
 
 Test ids name what runs the kernel: ``avx512``, ``portable``, ... for the cpu paths, ``cpu`` for
-cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs, ``gpu-emulation-wave32``
-and ``-wave64`` for the GPU kernels run on the host. ``MOEEXT_TEST_GPU_EMULATION=0`` leaves the
+cpu tests that do not force a path, ``cuda`` and ``cuda:1`` for the GPUs, ``gpu-emulation-cuda``
+and ``-hip64`` for the GPU kernels run on the host. ``MOEEXT_TEST_GPU_EMULATION=0`` leaves the
 emulated runs out.
 
 Property-based tests run 300 examples each (hypothesis profile ``moeext``). The ``fuzz``
@@ -94,12 +95,12 @@ def device(request):
     return request.param
 
 
-EMULATION_WIDTHS = [] if os.environ.get("MOEEXT_TEST_GPU_EMULATION") == "0" else [32, 64]
-_EMULATION_PREFIX = "gpu-emulation-wave"
+EMULATED_GPUS = [] if os.environ.get("MOEEXT_TEST_GPU_EMULATION") == "0" else ["cuda", "hip64"]
+_EMULATION_PREFIX = "gpu-emulation-"
 _DEVICE_ISA_PARAMS = ([pytest.param(("cpu", isa), id=isa) for isa in CPU_ISAS]
                       + [pytest.param((d, None), id=d) for d in GPU_DEVICES]
-                      + [pytest.param(("cpu", f"{_EMULATION_PREFIX}{w}"), id=f"{_EMULATION_PREFIX}{w}")
-                         for w in EMULATION_WIDTHS])
+                      + [pytest.param(("cpu", f"{_EMULATION_PREFIX}{f}"), id=f"{_EMULATION_PREFIX}{f}")
+                         for f in EMULATED_GPUS])
 
 _EMULATION_DIR = Path(__file__).resolve().parent / "gpu_emulation"
 _emulation_modules = {}
@@ -119,36 +120,38 @@ def _emulation_file(name):
 EMULATED_LAUNCHES = {}
 
 
-def emulated_gpu_module(warp_size):
-    """The GPU kernels built for the host at this warp width, built once per session (a build
-    failure fails every emulated test with the compiler's message)."""
+def emulated_gpu_module(flavour):
+    """The GPU kernels built for the host as `flavour` (tests/gpu_emulation/prepare.py: "cuda"
+    or "hip64"), built once per session (a build failure fails every emulated test with the
+    compiler's message)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the GPU emulation's fibers are written for x86-64")
     if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
         pytest.skip("the GPU emulation needs a C++ compiler and ninja")
-    if warp_size not in _emulation_modules:
+    if flavour not in _emulation_modules:
         prepare = _emulation_file("prepare")
         root = Path(os.environ.get("MOEEXT_GPU_EMULATION_BUILD",
                                    Path(tempfile.gettempdir()) / "moeext-gpu-emulation"))
         try:
-            _emulation_modules[warp_size] = prepare.load(root, warp_size)
+            _emulation_modules[flavour] = prepare.load(root, flavour)
         except Exception as e:  # noqa: BLE001 (kept, so the next test fails at once)
-            _emulation_modules[warp_size] = e
-    module = _emulation_modules[warp_size]
+            _emulation_modules[flavour] = e
+    module = _emulation_modules[flavour]
     if isinstance(module, Exception):
         pytest.fail(f"the GPU emulation did not build: {module}")
     return module
 
 
 @contextlib.contextmanager
-def emulated_gpu_ops(warp_size, monkeypatch, nodeid):
+def emulated_gpu_ops(flavour, monkeypatch, nodeid):
     """moeext's routing ops replaced by ones that launch the GPU kernels on the host. The order
-    in which a block's threads run between meeting points (forward, backward, shuffled) and the
-    shuffle's seed come from the test's id, so that the emulated tests between them run every
-    order, and each test the same one every time."""
-    ops = _emulation_file("ops").EmulatedOps(emulated_gpu_module(warp_size))
+    in which a block's threads run between meeting points (forward, backward, shuffled), the
+    shuffle's seed and whether kernels launch with programmatic dependent launch come from the
+    test's id, so that the emulated tests between them run each, and each test the same one
+    every time."""
+    ops = _emulation_file("ops").EmulatedOps(emulated_gpu_module(flavour))
     key = zlib.crc32(nodeid.encode())
-    ops.module.configure(key % 3, key, 132, 0, 0, 0)
+    ops.module.configure(key % 3, key, 132, 0, 0, 0, bool(key & 8))
     for name in ops.NAMES:
         monkeypatch.setattr(moeext, name, getattr(ops, name))
     yield ops
@@ -157,7 +160,7 @@ def emulated_gpu_ops(warp_size, monkeypatch, nodeid):
 @pytest.fixture(params=_DEVICE_ISA_PARAMS)
 def device_isa(request, monkeypatch):
     """``(device, isa)``: every CPU path on the cpu (forced while the test runs), each GPU once,
-    each emulated GPU width once."""
+    each emulated GPU once."""
     device, isa = request.param
     if isa is None:
         yield device, None
@@ -165,8 +168,8 @@ def device_isa(request, monkeypatch):
     if isa.startswith(_EMULATION_PREFIX):
         if not getattr(request.module, "GPU_EMULATION", True):
             pytest.skip("this module's ops are not wired into the GPU emulation")
-        width = int(isa[len(_EMULATION_PREFIX):])
-        with emulated_gpu_ops(width, monkeypatch, request.node.nodeid) as ops:
+        flavour = isa[len(_EMULATION_PREFIX):]
+        with emulated_gpu_ops(flavour, monkeypatch, request.node.nodeid) as ops:
             yield device, isa
         EMULATED_LAUNCHES[request.node.nodeid] = ops.launches
         return

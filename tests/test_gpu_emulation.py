@@ -1,12 +1,13 @@
 """The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
 the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
-for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, fused router count 1) and the
-orders a block's threads run in.
+for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, fused router count 1), launches
+with programmatic dependent launch, and the orders a block's threads run in.
 
-A variant or a run order must change no bit: every result here is compared with torch.equal
-against variant 0 run forward, and that against the reference as the suite compares it. The
-emulation builds each kernel as HIP for the host, at a warp width of 32 and of 64 (CDNA), so
-it checks the kernels' logic; the device's own arithmetic (CUDA's expf) and speed need a GPU.
+None of these may change a bit: every result here is compared with torch.equal against variant
+0 run forward without PDL, and that against the reference as the suite compares it. The
+emulation builds the kernels for the host as CUDA for sm_90 and as HIP for CDNA (64-lane
+wavefronts), so it checks the kernels' logic; the device's arithmetic (CUDA's expf) and speed
+need a GPU.
 """
 
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EMULATION_WIDTHS, emulated_gpu_module
+from conftest import EMULATED_GPUS, emulated_gpu_module
 from moeext import reference
 from moeext.presets import PRESETS
 from routing_check import assert_routing_matches
@@ -27,16 +28,16 @@ SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 ORDERS = {"forward": 0, "backward": 1, "shuffled": 2}
 MULTIPROCESSORS = 132  # an H100's or H200's: the grids the launchers size for them
 
-pytestmark = pytest.mark.skipif(not EMULATION_WIDTHS, reason="MOEEXT_TEST_GPU_EMULATION=0")
+pytestmark = pytest.mark.skipif(not EMULATED_GPUS, reason="MOEEXT_TEST_GPU_EMULATION=0")
 
 
-@pytest.fixture(params=EMULATION_WIDTHS, ids=lambda w: f"wave{w}")
+@pytest.fixture(params=EMULATED_GPUS)
 def emu(request):
     return emulated_gpu_module(request.param)
 
 
-def _configure(emu, order=0, routing=0, gemm=0, fused=0, seed=1):
-    emu.configure(order, seed, MULTIPROCESSORS, routing, gemm, fused)
+def _configure(emu, order=0, routing=0, gemm=0, fused=0, seed=1, pdl=False):
+    emu.configure(order, seed, MULTIPROCESSORS, routing, gemm, fused, pdl)
 
 
 def _bits(*tensors):
@@ -48,7 +49,7 @@ def _assert_same_bits(got, expected, what):
         assert torch.equal(g, e), what
 
 
-@pytest.mark.parametrize("warp_size", EMULATION_WIDTHS)
+@pytest.mark.parametrize("warp_size", [32, 64])
 def test_the_emulation_itself(warp_size, tmp_path):
     """Barriers, shuffles and ballots as on the GPU, and the faults reported: a deadlock, lanes
     at different collectives, a lane gone from a collective, a read missing its barrier."""
@@ -96,9 +97,9 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     _configure(emu)
     expected = _route(emu, logits, bias, p)
     assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
-    for variant in range(1, 5):
+    for variant in range(5):
         for order, code in ORDERS.items():
-            _configure(emu, order=code, routing=variant, seed=variant)
+            _configure(emu, order=code, routing=variant, seed=variant, pdl=code == 1)
             _assert_same_bits(_route(emu, logits, bias, p), expected,
                               f"routing variant {variant}, {order} order")
     _configure(emu)
@@ -130,7 +131,7 @@ def test_router_gemm_variant_and_orders_change_no_bit(emu, num_tokens, num_exper
                                atol=2e-5)
     for variant in (0, 1):
         for order, code in ORDERS.items():
-            _configure(emu, order=code, gemm=variant, seed=7)
+            _configure(emu, order=code, gemm=variant, seed=7, pdl=code == 2)
             got = torch.empty(num_tokens, num_experts)
             assert emu.router_gemm(hidden, weight, got)
             _assert_same_bits([got], [expected], f"GEMM variant {variant}, {order} order")
@@ -160,7 +161,8 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
     for gemm in (0, 1):
         for count in (0, 1):
             for order, code in ORDERS.items():
-                _configure(emu, order=code, gemm=gemm, fused=count, seed=gemm * 2 + count)
+                _configure(emu, order=code, gemm=gemm, fused=count, seed=gemm * 2 + count,
+                           pdl=code == 1)
                 got = (torch.empty(num_tokens, k["topk"]),
                        torch.empty(num_tokens, k["topk"], dtype=torch.int32),
                        torch.empty(num_tokens, p.num_experts))
@@ -172,4 +174,25 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
                 _assert_same_bits(got, expected,
                                   f"GEMM variant {gemm}, count variant {count}, {order} order")
                 assert int(counter) == 0
+    _configure(emu)
+
+
+def test_programmatic_launch_is_taken_on_cuda(emu):
+    """With PDL on, the CUDA build launches through cudaLaunchKernelEx with the attribute (the
+    routing, the GEMM, the fused kernel), and the results are those without it."""
+    if emu.programmatic_launches() < 0:
+        pytest.skip("HIP has no programmatic dependent launch")
+    p = PRESETS["deepseek-v3"]
+    logits = 2 * torch.randn(5, p.num_experts)
+    bias = 2 + 0.05 * torch.randn(p.num_experts)
+    _configure(emu)
+    before = emu.programmatic_launches()
+    expected = _route(emu, logits, bias, p)
+    assert emu.programmatic_launches() == before
+    _configure(emu, pdl=True)
+    _assert_same_bits(_route(emu, logits, bias, p), expected, "routing with PDL")
+    hidden, weight = _gemm_inputs(2, 256, 7168)
+    logits = torch.empty(2, 256)
+    assert emu.router_gemm(hidden, weight, logits)
+    assert emu.programmatic_launches() == before + 2
     _configure(emu)

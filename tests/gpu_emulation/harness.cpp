@@ -12,6 +12,9 @@
 #include "runtime.h"
 
 extern int moeext_emu_multiprocessors;
+#if defined(MOEEXT_EMU_CUDA)
+extern long moeext_emu_programmatic_launches;  // host.cpp
+#endif
 
 namespace {
 
@@ -43,13 +46,23 @@ void check(moeext::GpuError error, const char* what) {
 }
 
 void configure(int64_t order, int64_t seed, int64_t multiprocessors, int64_t routing_variant,
-               int64_t gemm_variant, int64_t fused_variant) {
+               int64_t gemm_variant, int64_t fused_variant, bool programmatic_launch) {
   moeext_emu::settings().order = moeext_emu::Order(order);
   moeext_emu::settings().seed = uint64_t(seed);
   moeext_emu_multiprocessors = int(multiprocessors);
   moeext::set_gpu_routing_variant(int(routing_variant));
   moeext::set_gpu_router_gemm_variant(int(gemm_variant));
   moeext::set_gpu_fused_router_variant(int(fused_variant));
+  moeext::set_gpu_programmatic_dependent_launch(programmatic_launch);
+}
+
+// Launches made with programmatic dependent launch so far (CUDA); -1 for HIP, which has none.
+int64_t programmatic_launches() {
+#if defined(MOEEXT_EMU_CUDA)
+  return moeext_emu_programmatic_launches;
+#else
+  return -1;
+#endif
 }
 
 int64_t warp_size() { return moeext_emu::settings().warp_size; }
@@ -190,6 +203,7 @@ void routing_weights(const Tensor& logits, const Tensor& ids,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure);
   m.def("warp_size", &warp_size);
+  m.def("programmatic_launches", &programmatic_launches);
   m.def("routing", &routing);
   m.def("router_gemm", &router_gemm);
   m.def("fused_router", &fused_router);

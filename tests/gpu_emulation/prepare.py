@@ -1,12 +1,19 @@
-"""Copies csrc/gpu/ for the host build of the GPU kernels (tests/gpu_emulation/), rewriting the
-two constructs that include/hip/hip_runtime.h cannot define as macros:
+"""Copies csrc/gpu/ for the host build of the GPU kernels (tests/gpu_emulation/), rewriting what
+the stand-in runtime headers (include/) cannot define as macros:
 
 - ``kernel<<<grid, block, shared, stream>>>(args)`` becomes
   ``::moeext_emu::Configured(grid, block, shared, stream).kernel(kernel)(args)``;
-- ``extern __shared__ T name[];`` becomes a pointer to the launch's dynamic shared memory.
+- ``extern __shared__ T name[];`` becomes a pointer to the launch's dynamic shared memory;
+- each inline PTX statement becomes what it does on the host (a new one fails the build here,
+  naming it, until it is taught).
 
-Nothing else changes: the kernels compile as they are, as HIP (compat.h's MOEEXT_HIP paths).
-``load`` then builds them, the fiber runtime and harness.cpp into one torch extension.
+Nothing else changes. Two flavours:
+
+- ``cuda``: CUDA for sm_90 (``__CUDA_ARCH__`` 900: redux.sync, the PDL waits, the acquire-release
+  count, the L2 prefetches), 32-lane warps: the code an H100 or H200 runs;
+- ``hip64``: HIP for gfx9 (CDNA: MI200, MI300), 64-lane wavefronts.
+
+``load`` builds one flavour, with the fiber runtime and harness.cpp, into a torch extension.
 """
 
 import os
@@ -17,20 +24,53 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
+FLAVOURS = {
+    # name: (warp size, defines of the kernels' units, defines of every unit)
+    "cuda": (32, ["__CUDA_ARCH__=900"], ["MOEEXT_EMU_CUDA=1"]),
+    "hip64": (64, ["__HIP_PLATFORM_AMD__=1", "__HIP_DEVICE_COMPILE__=1", "__GFX9__=1"], []),
+}
+
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)<<<(.*?)>>>\(")
 DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
+INLINE_PTX = re.compile(r"\basm\s*(?:volatile\s*)?\((.*?)\);", re.S)
+
+
+def _host_form(match):
+    body = match.group(1)
+    instruction = re.match(r'\s*"([^"]*)"', body).group(1)
+    if instruction.startswith("cvt.f32.f16 "):
+        out, bits = re.search(r'"=f"\((\w+)\)\s*:\s*"h"\((.*)\)\s*$', body, re.S).groups()
+        return f"{out} = ::moeext_emu::half_bits_to_float({bits});"
+    if instruction.startswith("atom.acq_rel.gpu.global.add.u32 "):
+        out, address, value = re.search(
+            r'"=r"\((\w+)\)\s*:\s*"l"\(__cvta_generic_to_global\((\w+)\)\),\s*"r"\((\w+)\)',
+            body).groups()
+        return f"{out} = atomicAdd({address}, {value});"
+    if instruction in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
+        return "(void)0;"  # one grid at a time: nothing to wait for, nothing to let start
+    if instruction.startswith("prefetch.global.L2 "):
+        address = re.search(r'"l"\((.*)\)\s*$', body, re.S).group(1)
+        return f"(void)({address});"  # a hint: the address is formed, nothing is read
+    raise SystemExit(f"tests/gpu_emulation/prepare.py: no host form for the inline PTX "
+                     f"{instruction!r}; teach _host_form what it does")
 
 
 def rewrite(text):
     text = LAUNCH.sub(r"::moeext_emu::Configured(\2).kernel(\1)(", text)
-    return DYNAMIC_SHARED.sub(
+    text = DYNAMIC_SHARED.sub(
         r"\1* const \2 = static_cast<\1*>(::moeext_emu::dynamic_shared());", text)
+    return INLINE_PTX.sub(_host_form, text)
+
+
+def _write_if_changed(path, text):
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
 
 
 def prepare(source_root, build_root, defines=()):
     """Writes the rewritten copy of source_root/csrc/gpu under build_root/csrc/gpu, and a C++
-    unit for each .cu file that defines `defines` (names, or name=value) and includes it;
-    returns the units' paths."""
+    unit for each .cu file that defines `defines` (name=value) and includes it; returns the
+    units' paths."""
     source = Path(source_root) / "csrc" / "gpu"
     target = Path(build_root) / "csrc" / "gpu"
     target.mkdir(parents=True, exist_ok=True)
@@ -38,40 +78,34 @@ def prepare(source_root, build_root, defines=()):
     for path in sorted(source.iterdir()):
         if path.suffix not in (".cu", ".h"):
             continue
-        out = target / path.name
-        text = rewrite(path.read_text())
-        if not out.exists() or out.read_text() != text:
-            out.write_text(text)
+        _write_if_changed(target / path.name, rewrite(path.read_text()))
         if path.suffix == ".cu":
             # A C++ unit of its own (torch's builder would hand a .cu to nvcc).
             unit = target.parent.parent / f"{path.stem}_cu.cpp"
-            lines = [f"#define {d.replace('=', ' ')}" for d in ("__HIP_PLATFORM_AMD__=1", *defines)]
-            text = "\n".join(lines + [f'#include "gpu/{path.name}"', ""])
-            if not unit.exists() or unit.read_text() != text:
-                unit.write_text(text)
+            lines = [f"#define {d.replace('=', ' ')}" for d in defines]
+            _write_if_changed(unit, "\n".join(lines + [f'#include "gpu/{path.name}"', ""]))
             units.append(unit)
     return units
 
 
-def load(build_root, warp_size=32, verbose=False):
-    """The emulation's extension module for `warp_size` (32, or 64 as on CDNA), built under
-    build_root (kept between runs: only what changed is compiled again)."""
+def load(build_root, flavour, verbose=False):
+    """The emulation's extension module for `flavour` (FLAVOURS), built under build_root (kept
+    between runs: only what changed is compiled again)."""
     from torch.utils import cpp_extension
 
-    build_root = Path(build_root) / f"wave{warp_size}"
+    warp_size, unit_defines, defines = FLAVOURS[flavour]
+    build_root = Path(build_root) / flavour
     # The kernels' units only: torch's headers, in harness.cpp, must not see a device compile.
-    # compat.h takes its device warp width of 64 from these (gfx9).
-    units = prepare(ROOT, build_root,
-                    ["__HIP_DEVICE_COMPILE__=1", "__GFX9__=1"] if warp_size == 64 else [])
-    defines = [f"-DMOEEXT_EMU_WARP_SIZE={warp_size}"]
+    units = prepare(ROOT, build_root, unit_defines)
     objects = build_root / "objects"
     objects.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", "2")
     return cpp_extension.load(
-        name=f"moeext_gpu_emulation_wave{warp_size}",
-        sources=[str(HERE / "harness.cpp"), str(HERE / "runtime.cpp"),
-                 str(HERE / "hip_host.cpp")] + [str(u) for u in units],
-        extra_cflags=["-O2", "-std=c++17", *defines, f"-I{HERE / 'include'}",
+        name=f"moeext_gpu_emulation_{flavour}",
+        sources=[str(HERE / "harness.cpp"), str(HERE / "runtime.cpp"), str(HERE / "host.cpp")]
+        + [str(u) for u in units],
+        extra_cflags=["-O2", "-std=c++17", f"-DMOEEXT_EMU_WARP_SIZE={warp_size}",
+                      *[f"-D{d}" for d in defines], f"-I{HERE / 'include'}",
                       f"-I{build_root / 'csrc'}", f"-I{ROOT / 'csrc'}",
                       f"-I{ROOT / 'csrc' / 'include'}"],
         build_directory=str(objects),
@@ -79,4 +113,4 @@ def load(build_root, warp_size=32, verbose=False):
 
 
 if __name__ == "__main__":
-    print(load(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32, verbose=True))
+    print(load(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cuda", verbose=True))

@@ -53,7 +53,7 @@ constexpr size_t kStackBytes = size_t(256) << 10;
 enum class State { kReady, kWaiting, kDone };
 
 // Which meeting point a lane waits at: the lanes of a warp must all be at the same kind.
-enum class Meet { kNone, kWarpSync, kExchange, kBallot };
+enum class Meet { kNone, kWarpSync, kExchange, kBallot, kAll };
 
 struct Fiber {
   void* sp = nullptr;
@@ -94,7 +94,6 @@ struct Launch {
 
 Launch* g_launch = nullptr;
 std::string g_error;
-Dim3 g_host_dim;  // what thread_idx() and the rest return outside a launch
 
 Block& block() { return g_launch->current; }
 Fiber& me() { return *g_launch->running; }
@@ -164,6 +163,7 @@ void run_block(std::mt19937_64& rng) {
       }
       moved = true;
       g_launch->running = &f;
+      threadIdx = f.thread;
       moeext_emu_switch(&g_launch->scheduler_sp, f.sp);
       g_launch->running = nullptr;
       if (!b.error.empty()) return;
@@ -237,6 +237,8 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
   l.stacks.resize(threads);
   for (auto& s : l.stacks) s.reset(new char[kStackBytes]);
   g_launch = &l;
+  blockDim = block_dim;
+  gridDim = grid;
   std::mt19937_64 rng(settings().seed);
   std::string error;
   for (unsigned bz = 0; bz < grid.z && error.empty(); ++bz) {
@@ -258,19 +260,17 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
           f.sp = fresh_stack(l.stacks[i].get());
           ++b.warps[i / size_t(warp)].live;
         }
+        blockIdx = b.index;
         run_block(rng);
         error = b.error;
       }
     }
   }
   g_launch = nullptr;
+  threadIdx = blockIdx = blockDim = gridDim = Dim3{};
   return error;
 }
 
-const Dim3& thread_idx() { return g_launch ? me().thread : g_host_dim; }
-const Dim3& block_idx() { return g_launch ? block().index : g_host_dim; }
-const Dim3& block_dim() { return g_launch ? g_launch->block : g_host_dim; }
-const Dim3& grid_dim() { return g_launch ? g_launch->grid : g_host_dim; }
 void* dynamic_shared() { return g_launch ? g_launch->shared.data() : nullptr; }
 
 void sync_block() {
@@ -309,4 +309,13 @@ uint64_t warp_ballot(bool predicate) {
   return bits;
 }
 
+void warp_all(uint64_t value, uint64_t* out) {
+  my_warp().slots[lane()] = value;
+  wait_warp(Meet::kAll);
+  std::copy(my_warp().slots, my_warp().slots + settings().warp_size, out);
+  wait_warp(Meet::kAll);
+}
+
 }  // namespace moeext_emu
+
+moeext_emu::Dim3 threadIdx, blockIdx, blockDim, gridDim;

@@ -42,10 +42,6 @@ std::string launch(Dim3 grid, Dim3 block, size_t dynamic_shared_bytes,
 std::string take_error();
 void record_error(const std::string& message);
 
-const Dim3& thread_idx();
-const Dim3& block_idx();
-const Dim3& block_dim();
-const Dim3& grid_dim();
 void* dynamic_shared();
 
 void sync_block();
@@ -54,5 +50,11 @@ void sync_warp();
 // index is the linear thread index modulo the warp size).
 uint64_t warp_exchange(uint64_t value, int source);
 uint64_t warp_ballot(bool predicate);
+// Every lane of the warp gives `value`; out[i] gets lane i's (one meeting for all of them).
+void warp_all(uint64_t value, uint64_t* out);
 
 }  // namespace moeext_emu
+
+// CUDA's built-in variables: the running thread's indices and its launch's shape, set by the
+// runtime each time it switches to a thread (all ones outside a launch).
+extern moeext_emu::Dim3 threadIdx, blockIdx, blockDim, gridDim;
