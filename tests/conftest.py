@@ -196,6 +196,6 @@ def pytest_terminal_summary(terminalreporter):
             none[function] = none.get(function, 0) + 1
     terminalreporter.write_line(
         f"GPU emulation: {len(EMULATED_LAUNCHES)} tests, {sum(EMULATED_LAUNCHES.values())} kernel "
-        f"launches; {sum(none.values())} tests launched none:")
+        f"launches; {sum(none.values())} tests launched none" + (":" if none else ""))
     for function, count in sorted(none.items()):
         terminalreporter.write_line(f"  {count:4d} x {function}")

@@ -3,6 +3,7 @@
 // The caller (tests/test_gpu_emulation.py) passes contiguous outputs of the right shapes.
 #include <torch/extension.h>
 
+#include <map>
 #include <optional>
 #include <string>
 
@@ -66,6 +67,15 @@ int64_t programmatic_launches() {
 }
 
 int64_t warp_size() { return moeext_emu::settings().warp_size; }
+
+// The meetings the launches since the last call made (runtime.h's Counts), and a reset.
+std::map<std::string, int64_t> take_counts() {
+  const moeext_emu::Counts c = moeext_emu::counts();
+  moeext_emu::reset_counts();
+  return {{"block_barriers", int64_t(c.block_barriers)}, {"warp_syncs", int64_t(c.warp_syncs)},
+          {"shuffles", int64_t(c.shuffles)},             {"ballots", int64_t(c.ballots)},
+          {"gathers", int64_t(c.gathers)}};
+}
 
 moeext::BiasedGroupedTopkParams routing_params(
     const Tensor& logits, const optional<Tensor>& bias, Tensor& weights, Tensor& ids,
@@ -204,6 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure);
   m.def("warp_size", &warp_size);
   m.def("programmatic_launches", &programmatic_launches);
+  m.def("take_counts", &take_counts);
   m.def("routing", &routing);
   m.def("router_gemm", &router_gemm);
   m.def("fused_router", &fused_router);

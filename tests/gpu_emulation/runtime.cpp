@@ -9,6 +9,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #if !defined(__x86_64__)
 #error "the GPU emulation's fiber switch is written for x86-64"
 #endif
@@ -48,6 +51,28 @@ namespace moeext_emu {
 namespace {
 
 constexpr size_t kStackBytes = size_t(256) << 10;
+
+// A fiber's stack, with an inaccessible page below it: an overflow faults instead of writing
+// over the next fiber's.
+class Stack {
+ public:
+  Stack() {
+    guard_ = size_t(sysconf(_SC_PAGESIZE));
+    void* p = mmap(nullptr, guard_ + kStackBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("GPU emulation: no memory for a fiber stack");
+    base_ = static_cast<char*>(p);
+    mprotect(base_, guard_, PROT_NONE);
+  }
+  ~Stack() { munmap(base_, guard_ + kStackBytes); }
+  Stack(const Stack&) = delete;
+  Stack& operator=(const Stack&) = delete;
+  char* bottom() const { return base_ + guard_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t guard_ = 0;
+};
 
 // Why a fiber is not running: it has not started, it waits at a meeting point, or it is done.
 enum class State { kReady, kWaiting, kDone };
@@ -89,11 +114,17 @@ struct Launch {
   Block current;
   void* scheduler_sp = nullptr;
   Fiber* running = nullptr;
-  std::vector<std::unique_ptr<char[]>> stacks;
 };
+
+// Kept from launch to launch (one per thread of the largest block so far).
+std::vector<std::unique_ptr<Stack>>& stacks() {
+  static std::vector<std::unique_ptr<Stack>> kept;
+  return kept;
+}
 
 Launch* g_launch = nullptr;
 std::string g_error;
+Counts g_counts;
 
 Block& block() { return g_launch->current; }
 Fiber& me() { return *g_launch->running; }
@@ -177,7 +208,8 @@ void run_block(std::mt19937_64& rng) {
   }
 }
 
-void wait_warp(Meet meet) {
+// A collective's second meeting (its lanes done reading the slots) is not counted.
+void wait_warp(Meet meet, bool counted = true) {
   Block& b = block();
   Fiber& f = me();
   Warp& w = b.warps[size_t(f.linear / settings().warp_size)];
@@ -191,6 +223,15 @@ void wait_warp(Meet meet) {
   if (++w.arrived == w.live) {
     w.arrived = 0;
     ++w.generation;
+    if (counted) {
+      switch (meet) {
+        case Meet::kWarpSync: ++g_counts.warp_syncs; break;
+        case Meet::kExchange: ++g_counts.shuffles; break;
+        case Meet::kBallot: ++g_counts.ballots; break;
+        case Meet::kAll: ++g_counts.gathers; break;
+        case Meet::kNone: break;
+      }
+    }
     return;
   }
   f.state = State::kWaiting;
@@ -216,6 +257,9 @@ std::string take_error() {
   return e;
 }
 
+const Counts& counts() { return g_counts; }
+void reset_counts() { g_counts = Counts{}; }
+
 void record_error(const std::string& message) {
   if (g_error.empty()) g_error = message;
 }
@@ -234,8 +278,7 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
   l.block = block_dim;
   l.body = &body;
   l.shared.resize(std::max<size_t>(dynamic_shared_bytes, 16));
-  l.stacks.resize(threads);
-  for (auto& s : l.stacks) s.reset(new char[kStackBytes]);
+  while (stacks().size() < threads) stacks().push_back(std::make_unique<Stack>());
   g_launch = &l;
   blockDim = block_dim;
   gridDim = grid;
@@ -257,7 +300,7 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
           f.linear = int(i);
           f.thread = Dim3{unsigned(i % block_dim.x), unsigned(i / block_dim.x % block_dim.y),
                           unsigned(i / (size_t(block_dim.x) * block_dim.y))};
-          f.sp = fresh_stack(l.stacks[i].get());
+          f.sp = fresh_stack(stacks()[i]->bottom());
           ++b.warps[i / size_t(warp)].live;
         }
         blockIdx = b.index;
@@ -280,6 +323,7 @@ void sync_block() {
   if (++b.arrived == b.live) {
     b.arrived = 0;
     ++b.generation;
+    ++g_counts.block_barriers;
     return;
   }
   f.state = State::kWaiting;
@@ -295,7 +339,7 @@ uint64_t warp_exchange(uint64_t value, int source) {
   wait_warp(Meet::kExchange);
   const int width = settings().warp_size;
   const uint64_t result = my_warp().slots[((source % width) + width) % width];
-  wait_warp(Meet::kExchange);
+  wait_warp(Meet::kExchange, false);
   return result;
 }
 
@@ -305,7 +349,7 @@ uint64_t warp_ballot(bool predicate) {
   uint64_t bits = 0;
   const Warp& w = my_warp();
   for (int i = 0; i < settings().warp_size; ++i) bits |= w.slots[i] << i;
-  wait_warp(Meet::kBallot);
+  wait_warp(Meet::kBallot, false);
   return bits;
 }
 
@@ -313,7 +357,7 @@ void warp_all(uint64_t value, uint64_t* out) {
   my_warp().slots[lane()] = value;
   wait_warp(Meet::kAll);
   std::copy(my_warp().slots, my_warp().slots + settings().warp_size, out);
-  wait_warp(Meet::kAll);
+  wait_warp(Meet::kAll, false);
 }
 
 }  // namespace moeext_emu

@@ -53,6 +53,19 @@ uint64_t warp_ballot(bool predicate);
 // Every lane of the warp gives `value`; out[i] gets lane i's (one meeting for all of them).
 void warp_all(uint64_t value, uint64_t* out);
 
+// How many of each meeting the launches since the last reset_counts() made: a block's
+// barriers, and a warp's syncs, shuffles, ballots and whole-warp gathers (a redux.sync
+// reduction is one). A warp's collective counts once, not once per lane.
+struct Counts {
+  uint64_t block_barriers = 0;
+  uint64_t warp_syncs = 0;
+  uint64_t shuffles = 0;
+  uint64_t ballots = 0;
+  uint64_t gathers = 0;
+};
+const Counts& counts();
+void reset_counts();
+
 }  // namespace moeext_emu
 
 // CUDA's built-in variables: the running thread's indices and its launch's shape, set by the

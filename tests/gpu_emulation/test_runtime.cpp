@@ -71,6 +71,7 @@ void warp_collectives() {
   const int width = moeext_emu::settings().warp_size;
   std::vector<int> xor1(128), from3(128), sum(128);
   std::vector<unsigned long long> ballot(128);
+  moeext_emu::reset_counts();
   const std::string error = run(1, 128, [&] {
     const int t = int(threadIdx.x);
     xor1[size_t(t)] = __shfl_xor(t, 1);
@@ -94,6 +95,13 @@ void warp_collectives() {
     ok &= ballot[size_t(t)] == expected_ballot;
   }
   expect(ok, "shuffles, a butterfly sum and a ballot, per warp");
+  const int warps = 128 / width;
+  int rounds = 0;
+  for (int m = width / 2; m > 0; m /= 2) ++rounds;
+  const moeext_emu::Counts& c = moeext_emu::counts();
+  expect(c.shuffles == uint64_t(warps * (2 + rounds)) && c.ballots == uint64_t(warps) &&
+             c.block_barriers == 0 && c.gathers == 0,
+         "each warp's collectives counted once");
 }
 
 void faults_are_reported() {
