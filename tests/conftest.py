@@ -27,6 +27,7 @@ profile runs 20,000, for a long search on demand:
 """
 
 import contextlib
+import functools
 import os
 import platform
 import shutil
@@ -106,8 +107,9 @@ _EMULATION_DIR = Path(__file__).resolve().parent / "gpu_emulation"
 _emulation_modules = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _emulation_file(name):
-    """tests/gpu_emulation/<name>.py, imported under a name of its own."""
+    """tests/gpu_emulation/<name>.py, imported (once) under a name of its own."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"moeext_gpu_emulation_{name}",
@@ -140,6 +142,13 @@ def emulated_gpu_module(flavour):
     if isinstance(module, Exception):
         pytest.fail(f"the GPU emulation did not build: {module}")
     return module
+
+
+def emulated_ops(flavour):
+    """tests/gpu_emulation/ops.py's EmulatedOps over the `flavour` build, configured plain."""
+    ops = _emulation_file("ops").EmulatedOps(emulated_gpu_module(flavour))
+    ops.module.configure(0, 1, 132, 0, 0, 0, False)
+    return ops
 
 
 @contextlib.contextmanager

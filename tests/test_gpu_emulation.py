@@ -1,7 +1,8 @@
 """The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
 the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
 for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, fused router count 1), launches
-with programmatic dependent launch, and the orders a block's threads run in.
+with programmatic dependent launch, the orders a block's threads run in, and the routing
+property tests (test_grouped_topk.py's problems, drawn by hypothesis).
 
 None of these may change a bit: every result here is compared with torch.equal against variant
 0 run forward without PDL, and that against the reference as the suite compares it. The
@@ -17,11 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
 
-from conftest import EMULATED_GPUS, emulated_gpu_module
+from conftest import EMULATED_GPUS, emulated_gpu_module, emulated_ops
 from moeext import reference
 from moeext.presets import PRESETS
-from routing_check import assert_routing_matches
+from routing_check import assert_routing_matches, assert_valid_routing
+from test_grouped_topk import (near_tie_problem_inputs, near_tie_problems, routing_problem_inputs,
+                               routing_problems)
 
 HERE = Path(__file__).resolve().parent / "gpu_emulation"
 SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
@@ -196,3 +200,22 @@ def test_programmatic_launch_is_taken_on_cuda(emu):
     assert emu.router_gemm(hidden, weight, logits)
     assert emu.programmatic_launches() == before + 2
     _configure(emu)
+
+
+# The suite's property tests, on the GPU kernels: random topologies (1-16 groups of 1-40
+# experts, top-k up to 40), dtypes, transposed logits, NaN, inf and tie rows; and near ties.
+# Parametrised rather than a fixture: hypothesis reruns the body, not function-scoped fixtures.
+@pytest.mark.parametrize("flavour", EMULATED_GPUS)
+@given(problem=routing_problems())
+def test_property_matches_reference(flavour, problem):
+    logits, bias, args = routing_problem_inputs(problem, "cpu")
+    weights, ids = emulated_ops(flavour).biased_grouped_topk(logits, bias, *args)
+    assert_routing_matches(weights, ids, logits, bias, *args)
+
+
+@pytest.mark.parametrize("flavour", EMULATED_GPUS)
+@given(problem=near_tie_problems())
+def test_property_near_ties_are_valid_choices(flavour, problem):
+    logits, bias, kw = near_tie_problem_inputs(problem, "cpu")
+    weights, ids = emulated_ops(flavour).biased_grouped_topk(logits, bias, **kw)
+    assert_valid_routing(weights, ids, logits, bias, **kw)

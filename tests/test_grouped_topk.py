@@ -1134,15 +1134,10 @@ def routing_problems(draw):
             bias_dtype, scoring_func, renormalize, scale, seed, special, transpose)
 
 
-# Parametrised rather than a fixture: hypothesis reruns the body, not function-scoped fixtures.
-# The drawn CPU path only matters on the cpu.
-@pytest.mark.parametrize("device", DEVICES)
-@given(problem=routing_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
-def test_property_matches_reference(device, problem, isa):
+def routing_problem_inputs(problem, device):
+    """A routing_problems() draw as ``(logits, bias, args)``, args the op's positional ones."""
     (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_dtype,
      scoring_func, renormalize, scale, seed, special, transpose) = problem
-    if isa not in moeext.build_info()["cpu_isas_available"]:
-        isa = "portable"
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, num_experts, generator=g) * 3
     if special == "nan":
@@ -1159,16 +1154,25 @@ def test_property_matches_reference(device, problem, isa):
     if bias_dtype is not None:
         bias = torch.randn(num_experts, generator=g)
         bias = (bias.round() if special == "ties" else bias).to(bias_dtype).to(device)
+    return logits, bias, (num_expert_group, topk_group, topk, renormalize, scale, scoring_func)
+
+
+# Parametrised rather than a fixture: hypothesis reruns the body, not function-scoped fixtures.
+# The drawn CPU path only matters on the cpu.
+@pytest.mark.parametrize("device", DEVICES)
+@given(problem=routing_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
+def test_property_matches_reference(device, problem, isa):
+    if isa not in moeext.build_info()["cpu_isas_available"]:
+        isa = "portable"
+    logits, bias, args = routing_problem_inputs(problem, device)
     previous = moeext.cpu_isa()
     moeext.set_cpu_isa(isa)
     try:
-        w, ids = moeext.biased_grouped_topk(logits, bias, num_expert_group, topk_group, topk,
-                                            renormalize, scale, scoring_func)
+        w, ids = moeext.biased_grouped_topk(logits, bias, *args)
     finally:
         moeext.set_cpu_isa(previous)
     assert w.device == logits.device and ids.device == logits.device
-    assert_routing_matches(w, ids, logits, bias, num_expert_group, topk_group, topk,
-                           renormalize, scale, scoring_func)
+    assert_routing_matches(w, ids, logits, bias, *args)
 
 
 @st.composite
@@ -1192,16 +1196,10 @@ def near_tie_problems(draw):
             bias_kind, scoring_func, spread, centre, seed)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@given(problem=near_tie_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
-def test_property_near_ties_are_valid_choices(device, problem, isa):
-    """Near ties the reference's own rounding cannot referee (assert_routing_matches allows a
-    differing row only rarely): every choice must be one float64 scores allow within a few
-    ulps, and identical experts must follow the tie rule."""
+def near_tie_problem_inputs(problem, device):
+    """A near_tie_problems() draw as ``(logits, bias, kw)``, kw the op's keyword arguments."""
     (num_tokens, num_experts, num_expert_group, topk_group, topk, logits_dtype, bias_kind,
      scoring_func, spread, centre, seed) = problem
-    if isa not in moeext.build_info()["cpu_isas_available"]:
-        isa = "portable"
     g = torch.Generator().manual_seed(seed)
     logits = centre - 3.0 + torch.rand(num_tokens, num_experts, generator=g)
     for row in logits:
@@ -1215,11 +1213,23 @@ def test_property_near_ties_are_valid_choices(device, problem, isa):
         bias = (2.0 + 0.05 * torch.randn(num_experts, generator=g)).to(device)
     elif bias_kind == "rounded":
         bias = torch.randn(num_experts, generator=g).round().to(device)
+    kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
+              renormalize=True, routed_scaling_factor=2.5, scoring_func=scoring_func)
+    return logits, bias, kw
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(problem=near_tie_problems(), isa=st.sampled_from(moeext.build_info()["cpu_isas_compiled"]))
+def test_property_near_ties_are_valid_choices(device, problem, isa):
+    """Near ties the reference's own rounding cannot referee (assert_routing_matches allows a
+    differing row only rarely): every choice must be one float64 scores allow within a few
+    ulps, and identical experts must follow the tie rule."""
+    if isa not in moeext.build_info()["cpu_isas_available"]:
+        isa = "portable"
+    logits, bias, kw = near_tie_problem_inputs(problem, device)
     previous = moeext.cpu_isa()
     moeext.set_cpu_isa(isa)
     try:
-        kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
-                  renormalize=True, routed_scaling_factor=2.5, scoring_func=scoring_func)
         weights, ids = moeext.biased_grouped_topk(logits, bias, **kw)
     finally:
         moeext.set_cpu_isa(previous)
