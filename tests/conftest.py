@@ -144,9 +144,14 @@ def emulated_gpu_module(flavour):
     return module
 
 
+def emulated_ops_file():
+    """tests/gpu_emulation/ops.py, the module."""
+    return _emulation_file("ops")
+
+
 def emulated_ops(flavour):
     """tests/gpu_emulation/ops.py's EmulatedOps over the `flavour` build, configured plain."""
-    ops = _emulation_file("ops").EmulatedOps(emulated_gpu_module(flavour))
+    ops = emulated_ops_file().EmulatedOps(emulated_gpu_module(flavour))
     ops.module.configure(0, 1, 132, 0, 0, 0, False)
     return ops
 

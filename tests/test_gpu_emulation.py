@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from conftest import EMULATED_GPUS, emulated_gpu_module, emulated_ops
+from conftest import EMULATED_GPUS, emulated_gpu_module, emulated_ops, emulated_ops_file
 from moeext import reference
 from moeext.presets import PRESETS
 from routing_check import assert_routing_matches, assert_valid_routing
@@ -28,7 +28,7 @@ from test_grouped_topk import (near_tie_problem_inputs, near_tie_problems, routi
                                routing_problems)
 
 HERE = Path(__file__).resolve().parent / "gpu_emulation"
-SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
+SCORING = emulated_ops_file().SCORING
 ORDERS = {"forward": 0, "backward": 1, "shuffled": 2}
 MULTIPROCESSORS = 132  # an H100's or H200's: the grids the launchers size for them
 
@@ -74,13 +74,7 @@ def test_the_emulation_itself(warp_size, tmp_path):
 # ---- routing ------------------------------------------------------------------------------
 
 def _route(emu, logits, bias, p):
-    k = p.op_kwargs()
-    weights = torch.empty(logits.shape[0], k["topk"])
-    ids = torch.empty(logits.shape[0], k["topk"], dtype=torch.int32)
-    emu.routing(logits, bias, weights, ids, k["num_expert_group"], k["topk_group"], k["topk"],
-                k["renormalize"], k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
-                None, None, None, None)
-    return weights, ids
+    return emulated_ops_file().route(emu, logits, bias, p.op_kwargs())
 
 
 ROUTING_CASES = [(preset, dtype, num_tokens)

@@ -22,22 +22,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu_emulation"))
 
 import prepare  # noqa: E402 (tests/gpu_emulation/prepare.py)
+from ops import route  # noqa: E402 (tests/gpu_emulation/ops.py)
 from moeext.presets import PRESETS  # noqa: E402
 
 PRESET_NAMES = ["deepseek-v3", "kimi-k2", "glm-4.5", "deepseek-v4-pro", "nemotron-style"]
-SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 VARIANTS = 5
 KINDS = ["shuffles", "gathers", "ballots", "warp_syncs"]
-
-
-def route(emu, logits, bias, p):
-    k = p.op_kwargs()
-    weights = torch.empty(logits.shape[0], k["topk"])
-    ids = torch.empty(logits.shape[0], k["topk"], dtype=torch.int32)
-    emu.routing(logits, bias, weights, ids, k["num_expert_group"], k["topk_group"], k["topk"],
-                k["renormalize"], k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
-                None, None, None, None)
-    return weights, ids
 
 
 def rows(emu, num_tokens):
@@ -50,7 +40,7 @@ def rows(emu, num_tokens):
         for variant in range(VARIANTS):
             emu.configure(0, 1, 132, variant, 0, 0, False)
             emu.take_counts()
-            out = route(emu, logits, bias, p)
+            out = route(emu, logits, bias, p.op_kwargs())
             counts = emu.take_counts()
             if first is None:
                 first = out
