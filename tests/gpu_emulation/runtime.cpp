@@ -108,7 +108,6 @@ struct Block {
 };
 
 struct Launch {
-  Dim3 grid, block;
   const std::function<void()>* body = nullptr;
   std::vector<unsigned char> shared;
   Block current;
@@ -274,8 +273,6 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
   if (grid.y > 65535 || grid.z > 65535) return "grid too large";
 
   Launch l;
-  l.grid = grid;
-  l.block = block_dim;
   l.body = &body;
   l.shared.resize(std::max<size_t>(dynamic_shared_bytes, 16));
   while (stacks().size() < threads) stacks().push_back(std::make_unique<Stack>());
