@@ -108,7 +108,7 @@ _emulation_modules = {}
 
 
 @functools.lru_cache(maxsize=None)
-def _emulation_file(name):
+def emulation_file(name):
     """tests/gpu_emulation/<name>.py, imported (once) under a name of its own."""
     import importlib.util
 
@@ -122,18 +122,23 @@ def _emulation_file(name):
 EMULATED_LAUNCHES = {}
 
 
-def emulated_gpu_module(flavour):
-    """The GPU kernels built for the host as `flavour` (tests/gpu_emulation/prepare.py: "cuda"
-    or "hip64"), built once per session (a build failure fails every emulated test with the
-    compiler's message)."""
+def emulation_build_root():
+    """Where the emulation's builds are kept (skips where it cannot build)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the GPU emulation's fibers are written for x86-64")
     if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
         pytest.skip("the GPU emulation needs a C++ compiler and ninja")
+    return Path(os.environ.get("MOEEXT_GPU_EMULATION_BUILD",
+                               Path(tempfile.gettempdir()) / "moeext-gpu-emulation"))
+
+
+def emulated_gpu_module(flavour):
+    """The GPU kernels built for the host as `flavour` (tests/gpu_emulation/prepare.py: "cuda"
+    or "hip64"), built once per session (a build failure fails every emulated test with the
+    compiler's message)."""
+    root = emulation_build_root()
     if flavour not in _emulation_modules:
-        prepare = _emulation_file("prepare")
-        root = Path(os.environ.get("MOEEXT_GPU_EMULATION_BUILD",
-                                   Path(tempfile.gettempdir()) / "moeext-gpu-emulation"))
+        prepare = emulation_file("prepare")
         try:
             _emulation_modules[flavour] = prepare.load(root, flavour)
         except Exception as e:  # noqa: BLE001 (kept, so the next test fails at once)
@@ -146,7 +151,7 @@ def emulated_gpu_module(flavour):
 
 def emulated_ops_file():
     """tests/gpu_emulation/ops.py, the module."""
-    return _emulation_file("ops")
+    return emulation_file("ops")
 
 
 def emulated_ops(flavour):
@@ -163,7 +168,7 @@ def emulated_gpu_ops(flavour, monkeypatch, nodeid):
     shuffle's seed and whether kernels launch with programmatic dependent launch come from the
     test's id, so that the emulated tests between them run each, and each test the same one
     every time."""
-    ops = _emulation_file("ops").EmulatedOps(emulated_gpu_module(flavour))
+    ops = emulation_file("ops").EmulatedOps(emulated_gpu_module(flavour))
     key = zlib.crc32(nodeid.encode())
     ops.module.configure(key % 3, key, 132, 0, 0, 0, bool(key & 8))
     for name in ops.NAMES:

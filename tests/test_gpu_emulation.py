@@ -14,13 +14,15 @@ need a GPU.
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 
-from conftest import EMULATED_GPUS, emulated_gpu_module, emulated_ops, emulated_ops_file
+from conftest import (EMULATED_GPUS, emulated_gpu_module, emulated_ops, emulated_ops_file,
+                      emulation_build_root, emulation_file)
 from moeext import reference
 from moeext.presets import PRESETS
 from routing_check import assert_routing_matches, assert_valid_routing
@@ -69,6 +71,73 @@ def test_the_emulation_itself(warp_size, tmp_path):
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+RACE_CASES = ["warp-sync", "race-shuffle-only", "overwrite-after-warp-sync",
+              "race-overwrite-after-shuffles", "block-barrier", "race-other-warp-after-warp-sync",
+              "atomic-count", "race-plain-count", "host-and-launch"]
+
+
+def _thread_sanitizer():
+    """The compiler and ThreadSanitizer's runtime library (for LD_PRELOAD), or a skip."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.skip("no C++ compiler")
+    found = subprocess.run([cxx, "-print-file-name=libtsan.so"], capture_output=True,
+                           text=True).stdout.strip()
+    if not os.path.isabs(found) or not os.path.exists(found):
+        pytest.skip(f"{cxx} has no ThreadSanitizer runtime (libtsan)")
+    return cxx, os.path.realpath(found)
+
+
+def _sanitized_env(library):
+    env = dict(os.environ, LD_PRELOAD=library, OMP_NUM_THREADS="1",
+               TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_thread_leaks=0")
+    return env
+
+
+@pytest.fixture(scope="module")
+def race_cases_binary(tmp_path_factory):
+    cxx, library = _thread_sanitizer()
+    out = tmp_path_factory.mktemp("races")
+    flags = ["-std=c++17", "-DMOEEXT_EMU_RACES=1", "-DMOEEXT_EMU_WARP_SIZE=32"]
+    runtime = emulation_file("prepare").runtime_object(out, flags)
+    binary = out / "test_races"
+    build = subprocess.run(
+        [cxx, "-O1", "-g1", "-Wall", "-Wextra", "-Werror", "-fsanitize=thread", *flags,
+         f"-I{HERE / 'include'}", str(HERE / "test_races.cpp"), str(runtime), "-o",
+         str(binary)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    return binary, library
+
+
+@pytest.mark.parametrize("case", RACE_CASES)
+def test_the_race_build_reports_what_a_gpu_leaves_unordered(race_cases_binary, case):
+    """ThreadSanitizer over the emulation (runtime.cpp's MOEEXT_EMU_RACES) reports a race for a
+    read a shuffle alone 'orders', for an overwrite of what the other lanes still read, across
+    warps a warp sync does not order and for plain increments; and nothing where a warp sync,
+    a barrier, an atomic or the launch itself orders the accesses."""
+    binary, library = race_cases_binary
+    run = subprocess.run([str(binary), case], capture_output=True, text=True, timeout=120,
+                         env=_sanitized_env(library))
+    if case.startswith("race-"):
+        assert run.returncode == 66 and "data race" in run.stderr, run.stdout + run.stderr
+    else:
+        assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("flavour", EMULATED_GPUS)
+def test_no_data_race_in_the_kernels(flavour):
+    """Every kernel the GPU binding launches, on shapes taking each of its paths, built for
+    ThreadSanitizer (gpu_emulation/races.py): no two threads of a block touch the same memory,
+    one of them writing, without a barrier, a warp sync or an atomic between them."""
+    root = emulation_build_root()
+    _, library = _thread_sanitizer()
+    run = subprocess.run([sys.executable, str(HERE / "races.py"), str(root), flavour],
+                         capture_output=True, text=True, timeout=3600,
+                         env=_sanitized_env(library))
+    assert run.returncode == 0, (run.stdout + run.stderr)[-20000:]
+    assert "no data race" in run.stdout
 
 
 # ---- routing ------------------------------------------------------------------------------

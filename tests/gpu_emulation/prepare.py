@@ -13,11 +13,13 @@ Nothing else changes. Two flavours:
   count, the L2 prefetches), 32-lane warps: the code an H100 or H200 runs;
 - ``hip64``: HIP for gfx9 (CDNA: MI200, MI300), 64-lane wavefronts.
 
-``load`` builds one flavour, with the fiber runtime and harness.cpp, into a torch extension.
+``load`` builds one flavour, with the fiber runtime and harness.cpp, into a torch extension;
+optionally instrumented for ThreadSanitizer (races.py).
 """
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def _host_form(match):
         out, address, value = re.search(
             r'"=r"\((\w+)\)\s*:\s*"l"\(__cvta_generic_to_global\((\w+)\)\),\s*"r"\((\w+)\)',
             body).groups()
-        return f"{out} = atomicAdd({address}, {value});"
+        return f"{out} = ::moeext_emu::fetch_add_acq_rel({address}, {value});"
     if instruction in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
         return "(void)0;"  # one grid at a time: nothing to wait for, nothing to let start
     if instruction.startswith("prefetch.global.L2 "):
@@ -88,28 +90,53 @@ def prepare(source_root, build_root, defines=()):
     return units
 
 
-def load(build_root, flavour, verbose=False):
+def load(build_root, flavour, races=False, verbose=False):
     """The emulation's extension module for `flavour` (FLAVOURS), built under build_root (kept
-    between runs: only what changed is compiled again)."""
+    between runs: only what changed is compiled again). With `races`, every unit but the
+    runtime is built for ThreadSanitizer (races.py says how such a build runs)."""
     from torch.utils import cpp_extension
 
     warp_size, unit_defines, defines = FLAVOURS[flavour]
-    build_root = Path(build_root) / flavour
+    name = flavour + ("-races" if races else "")
+    build_root = Path(build_root) / name
     # The kernels' units only: torch's headers, in harness.cpp, must not see a device compile.
     units = prepare(ROOT, build_root, unit_defines)
     objects = build_root / "objects"
     objects.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", "2")
+    flags = ["-std=c++17", f"-DMOEEXT_EMU_WARP_SIZE={warp_size}", *[f"-D{d}" for d in defines]]
+    sources = [HERE / "harness.cpp", HERE / "host.cpp"] + units
+    ldflags = []
+    if races:
+        flags.append("-DMOEEXT_EMU_RACES=1")
+        # The runtime's own bookkeeping is shared by all fibers by design: not instrumented.
+        ldflags = [str(runtime_object(objects, flags)), "-fsanitize=thread"]
+        flags += ["-fsanitize=thread", "-g1"]
+    else:
+        sources.append(HERE / "runtime.cpp")
     return cpp_extension.load(
-        name=f"moeext_gpu_emulation_{flavour}",
-        sources=[str(HERE / "harness.cpp"), str(HERE / "runtime.cpp"), str(HERE / "host.cpp")]
-        + [str(u) for u in units],
-        extra_cflags=["-O2", "-std=c++17", f"-DMOEEXT_EMU_WARP_SIZE={warp_size}",
-                      *[f"-D{d}" for d in defines], f"-I{HERE / 'include'}",
-                      f"-I{build_root / 'csrc'}", f"-I{ROOT / 'csrc'}",
-                      f"-I{ROOT / 'csrc' / 'include'}"],
+        name="moeext_gpu_emulation_" + name.replace("-", "_"),
+        sources=[str(s) for s in sources],
+        extra_cflags=["-O2", *flags, f"-I{HERE / 'include'}", f"-I{build_root / 'csrc'}",
+                      f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'include'}"],
+        extra_ldflags=ldflags,
         build_directory=str(objects),
         verbose=verbose)
+
+
+def runtime_object(directory, flags):
+    """runtime.cpp compiled on its own, without instrumentation, into `directory` (ninja does
+    not see it: a library beside it is removed so that ninja links it again). Its loops stay
+    loops: a memmove there would go through ThreadSanitizer's, checked as the fiber's access."""
+    target = Path(directory) / "runtime_plain.o"
+    inputs = [HERE / "runtime.cpp", HERE / "runtime.h"]
+    if not target.exists() or target.stat().st_mtime < max(p.stat().st_mtime for p in inputs):
+        subprocess.run([os.environ.get("CXX", "c++"), "-O2", "-fPIC",
+                        "-fno-tree-loop-distribute-patterns", "-c", *flags,
+                        str(HERE / "runtime.cpp"), "-o", str(target)], check=True)
+        for library in Path(directory).glob("*.so"):
+            library.unlink()
+    return target
 
 
 if __name__ == "__main__":

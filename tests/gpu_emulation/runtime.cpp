@@ -12,6 +12,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#if defined(MOEEXT_EMU_RACES)
+#include <sanitizer/tsan_interface.h>
+#endif
+
 #if !defined(__x86_64__)
 #error "the GPU emulation's fiber switch is written for x86-64"
 #endif
@@ -74,6 +78,46 @@ class Stack {
   size_t guard_ = 0;
 };
 
+// Race builds (MOEEXT_EMU_RACES; this file itself is not instrumented, tests/gpu_emulation/
+// races.py): ThreadSanitizer sees each thread slot as a fiber of its own, and learns from the
+// runtime only the orderings a GPU guarantees within a block: a block barrier orders the
+// block's threads, and a warp sync the warp's lanes. Shuffles, ballots and reductions order
+// nothing (CUDA: "they do not guarantee any memory ordering"), so shared data that a warp hands
+// around by memory needs its sync. Blocks are ordered one after another and after the host's
+// work before them (the scheduler hands each block its start and takes its end): races between
+// blocks are not looked for.
+#if defined(MOEEXT_EMU_RACES)
+void* new_race_fiber() { return __tsan_create_fiber(0); }
+void drop_race_fiber(void* fiber) { __tsan_destroy_fiber(fiber); }
+void* current_race_fiber() { return __tsan_get_current_fiber(); }
+void race_switch(void* fiber) { __tsan_switch_to_fiber(fiber, __tsan_switch_to_fiber_no_sync); }
+void race_release(void* sync) { __tsan_release(sync); }
+void race_acquire(void* sync) { __tsan_acquire(sync); }
+#else
+void* new_race_fiber() { return nullptr; }
+void drop_race_fiber(void*) {}
+void* current_race_fiber() { return nullptr; }
+void race_switch(void*) {}
+void race_release(void*) {}
+void race_acquire(void*) {}
+#endif
+
+// What ThreadSanitizer keys the orderings by: their addresses. A barrier's is chosen by the
+// parity of its generation: a thread still leaving one generation cannot meet a thread already
+// arriving at the generation after the next.
+struct RaceSyncs {
+  char block_start, block_end;
+  char block[2];
+  char warp[32][2];  // by the warp's index in its block
+} g_syncs;
+
+// A thread slot's stack and, in race builds, its ThreadSanitizer fiber, kept across launches.
+struct Slot {
+  Stack stack;
+  void* race_fiber = new_race_fiber();
+  ~Slot() { drop_race_fiber(race_fiber); }
+};
+
 // Why a fiber is not running: it has not started, it waits at a meeting point, or it is done.
 enum class State { kReady, kWaiting, kDone };
 
@@ -82,6 +126,7 @@ enum class Meet { kNone, kWarpSync, kExchange, kBallot, kAll };
 
 struct Fiber {
   void* sp = nullptr;
+  Slot* slot = nullptr;
   State state = State::kReady;
   Dim3 thread;
   int linear = 0;
@@ -112,12 +157,13 @@ struct Launch {
   std::vector<unsigned char> shared;
   Block current;
   void* scheduler_sp = nullptr;
+  void* scheduler_race_fiber = nullptr;
   Fiber* running = nullptr;
 };
 
 // Kept from launch to launch (one per thread of the largest block so far).
-std::vector<std::unique_ptr<Stack>>& stacks() {
-  static std::vector<std::unique_ptr<Stack>> kept;
+std::vector<std::unique_ptr<Slot>>& slots() {
+  static std::vector<std::unique_ptr<Slot>> kept;
   return kept;
 }
 
@@ -128,12 +174,17 @@ Counts g_counts;
 Block& block() { return g_launch->current; }
 Fiber& me() { return *g_launch->running; }
 
-void yield() { moeext_emu_switch(&me().sp, g_launch->scheduler_sp); }
+void yield() {
+  race_switch(g_launch->scheduler_race_fiber);
+  moeext_emu_switch(&me().sp, g_launch->scheduler_sp);
+}
 
 [[noreturn]] void fiber_entry() {
   Launch& l = *g_launch;
   Fiber& f = *l.running;
+  race_acquire(&g_syncs.block_start);
   (*l.body)();
+  race_release(&g_syncs.block_end);
   Block& b = block();
   f.state = State::kDone;
   --b.live;
@@ -147,6 +198,7 @@ void yield() { moeext_emu_switch(&me().sp, g_launch->scheduler_sp); }
   if (w.live > 0 && w.arrived > 0) {
     b.error = "a lane of a warp exited while the others met at a warp collective";
   }
+  race_switch(l.scheduler_race_fiber);
   moeext_emu_switch(&f.sp, l.scheduler_sp);
   __builtin_unreachable();
 }
@@ -194,6 +246,7 @@ void run_block(std::mt19937_64& rng) {
       moved = true;
       g_launch->running = &f;
       threadIdx = f.thread;
+      race_switch(f.slot->race_fiber);
       moeext_emu_switch(&g_launch->scheduler_sp, f.sp);
       g_launch->running = nullptr;
       if (!b.error.empty()) return;
@@ -219,9 +272,14 @@ void wait_warp(Meet meet, bool counted = true) {
     yield();
   }
   const uint64_t generation = w.generation;
+  void* const sync = meet == Meet::kWarpSync
+                         ? &g_syncs.warp[size_t(f.linear / settings().warp_size)][generation & 1]
+                         : nullptr;
+  if (sync != nullptr) race_release(sync);
   if (++w.arrived == w.live) {
     w.arrived = 0;
     ++w.generation;
+    if (sync != nullptr) race_acquire(sync);
     if (counted) {
       switch (meet) {
         case Meet::kWarpSync: ++g_counts.warp_syncs; break;
@@ -237,6 +295,7 @@ void wait_warp(Meet meet, bool counted = true) {
   f.at_block_barrier = false;
   f.waits_for = generation;
   yield();
+  if (sync != nullptr) race_acquire(sync);
 }
 
 int lane() { return me().linear % settings().warp_size; }
@@ -275,7 +334,8 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
   Launch l;
   l.body = &body;
   l.shared.resize(std::max<size_t>(dynamic_shared_bytes, 16));
-  while (stacks().size() < threads) stacks().push_back(std::make_unique<Stack>());
+  l.scheduler_race_fiber = current_race_fiber();
+  while (slots().size() < threads) slots().push_back(std::make_unique<Slot>());
   g_launch = &l;
   blockDim = block_dim;
   gridDim = grid;
@@ -297,12 +357,21 @@ std::string launch(Dim3 grid, Dim3 block_dim, size_t dynamic_shared_bytes,
           f.linear = int(i);
           f.thread = Dim3{unsigned(i % block_dim.x), unsigned(i / block_dim.x % block_dim.y),
                           unsigned(i / (size_t(block_dim.x) * block_dim.y))};
-          f.sp = fresh_stack(stacks()[i]->bottom());
+          f.slot = slots()[i].get();
+          f.sp = fresh_stack(f.slot->stack.bottom());
           ++b.warps[i / size_t(warp)].live;
         }
         blockIdx = b.index;
+        race_release(&g_syncs.block_start);
         run_block(rng);
+        race_acquire(&g_syncs.block_end);
         error = b.error;
+        // A fiber left inside its kernel (the block failed) starts afresh in the next launch.
+        for (Fiber& f : b.fibers) {
+          if (f.state == State::kDone) continue;
+          drop_race_fiber(f.slot->race_fiber);
+          f.slot->race_fiber = new_race_fiber();
+        }
       }
     }
   }
@@ -317,16 +386,20 @@ void sync_block() {
   Block& b = block();
   Fiber& f = me();
   const uint64_t generation = b.generation;
+  void* const sync = &g_syncs.block[generation & 1];
+  race_release(sync);
   if (++b.arrived == b.live) {
     b.arrived = 0;
     ++b.generation;
     ++g_counts.block_barriers;
+    race_acquire(sync);
     return;
   }
   f.state = State::kWaiting;
   f.at_block_barrier = true;
   f.waits_for = generation;
   yield();
+  race_acquire(sync);
 }
 
 void sync_warp() { wait_warp(Meet::kWarpSync); }
@@ -353,7 +426,9 @@ uint64_t warp_ballot(bool predicate) {
 void warp_all(uint64_t value, uint64_t* out) {
   my_warp().slots[lane()] = value;
   wait_warp(Meet::kAll);
-  std::copy(my_warp().slots, my_warp().slots + settings().warp_size, out);
+  // A loop, not a copy: a race build's memmove would be checked as the fiber's own access.
+  const Warp& w = my_warp();
+  for (int i = 0; i < settings().warp_size; ++i) out[i] = w.slots[i];
   wait_warp(Meet::kAll, false);
 }
 

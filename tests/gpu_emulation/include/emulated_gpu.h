@@ -59,28 +59,30 @@ inline float __uint_as_float(unsigned u) {
 }
 inline int __ffs(unsigned x) { return __builtin_ffs(int(x)); }
 
-// Blocks and threads run one at a time, so every atomic is a plain read-modify-write.
-namespace moeext_emu {
-template <typename T, typename Op>
-T read_modify_write(T* address, Op op) {
-  const T old = *address;
-  *address = op(old);
-  return old;
-}
-}  // namespace moeext_emu
-
+// Relaxed atomics, as CUDA's atomicAdd and the like: ordering nothing, which a race build
+// (runtime.cpp's MOEEXT_EMU_RACES) then sees; fetch_add_acq_rel is the acquire-release count.
 template <typename T, typename U>
 T atomicAdd(T* address, U value) {
-  return ::moeext_emu::read_modify_write(address, [&](T old) { return T(old + T(value)); });
+  static_assert(std::is_integral_v<T>, "the emulation has integer atomics only");
+  return __atomic_fetch_add(address, T(value), __ATOMIC_RELAXED);
 }
 template <typename T, typename U>
 T atomicOr(T* address, U value) {
-  return ::moeext_emu::read_modify_write(address, [&](T old) { return T(old | T(value)); });
+  static_assert(std::is_integral_v<T>, "the emulation has integer atomics only");
+  return __atomic_fetch_or(address, T(value), __ATOMIC_RELAXED);
 }
 template <typename T, typename U>
 T atomicExch(T* address, U value) {
-  return ::moeext_emu::read_modify_write(address, [&](T) { return T(value); });
+  static_assert(std::is_integral_v<T>, "the emulation has integer atomics only");
+  return __atomic_exchange_n(address, T(value), __ATOMIC_RELAXED);
 }
+namespace moeext_emu {
+template <typename T, typename U>
+T fetch_add_acq_rel(T* address, U value) {
+  static_assert(std::is_integral_v<T>, "the emulation has integer atomics only");
+  return __atomic_fetch_add(address, T(value), __ATOMIC_ACQ_REL);
+}
+}  // namespace moeext_emu
 
 namespace moeext_emu {
 

@@ -28,7 +28,10 @@ inline unsigned long long __ballot(int predicate) {
 }
 
 template <typename T, typename U>
-T __hip_atomic_fetch_add(T* address, U value, int /*order*/, int /*scope*/) {
+T __hip_atomic_fetch_add(T* address, U value, int order, int /*scope*/) {
+  if (order == __ATOMIC_ACQ_REL) return ::moeext_emu::fetch_add_acq_rel(address, value);
+  if (order == __ATOMIC_RELAXED) return atomicAdd(address, value);
+  ::moeext_emu::record_error("__hip_atomic_fetch_add: an order the emulation does not model");
   return atomicAdd(address, value);
 }
 
