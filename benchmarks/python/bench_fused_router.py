@@ -5,13 +5,17 @@ For each model gate (H = 7168) and number of tokens, the median latency of
 logits handed back to Python in between) and against ``router_gemm`` alone, with the weight
 as loaded and prepacked; and the same for the out= forms, ``fused_router_out`` against
 ``router_gemm`` then ``biased_grouped_topk_out``, into buffers kept across calls as a decode
-loop keeps them. All are timed in turns, several rounds, each figure the median of its
-rounds, so that a drift of the machine's speed during the run falls on all alike. The
-routing arguments are passed positionally, bound once, as engines' call sites pass them (a
-``**kwargs`` dict unpacked per call costs ~0.1-0.2 us of Python on its own). Targets (issue
-#53): at T = 1, at most 1.05x router_gemm alone and faster than the two calls.
+loop keeps them. All are timed in turns, several rounds, each time the median of its
+rounds, so that a drift of the machine's speed during the run falls on all alike. Each
+ratio is the median of the rounds' own ratios (a call against its baseline timed next to
+it), printed with the rounds' quartiles: on a shared machine the spread between rounds can
+be larger than the few percent the targets allow. The routing arguments are passed
+positionally, bound once, as engines' call sites pass them (a ``**kwargs`` dict unpacked
+per call costs ~0.1-0.2 us of Python on its own). Targets (issue #53): at T = 1, at most
+1.05x router_gemm alone and faster than the two calls.
 
     python benchmarks/python/bench_fused_router.py [--quick] [--presets a,b] [--tokens 1,4]
+                                                   [--rounds N] [--seconds S]
 """
 
 import argparse
@@ -42,18 +46,27 @@ def _inputs(preset, num_tokens):
 
 
 def in_turns(fns, min_time, rounds=ROUNDS):
-    """Median seconds per call of each function, timed in turns over `rounds` rounds."""
+    """Seconds per call of each function in each round, the functions timed in turns."""
     samples = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             samples[i].append(median_seconds(fn, min_time / rounds))
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
-def rows(quick=False, presets=None, tokens=None):
+def paired_ratio(times, baseline_times):
+    """Median and quartiles of the per-round ratios of two functions timed in turns."""
+    ratios = sorted(t / b for t, b in zip(times, baseline_times))
+    if len(ratios) < 2:
+        return (ratios[0],) * 3
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, q1, q3
+
+
+def rows(quick=False, presets=None, tokens=None, rounds=ROUNDS, min_time=None):
     presets = presets or (["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"])
     tokens = tokens or ([1] if quick else TOKENS)
-    min_time = 0.1 if quick else 1.0
+    min_time = min_time or (0.1 if quick else 1.0)
     for name in presets:
         for num_tokens in tokens:
             p, hidden, weight, bias = _inputs(name, num_tokens)
@@ -85,17 +98,17 @@ def rows(quick=False, presets=None, tokens=None):
                 assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
                 fused_out()
                 assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
-                t_fused, t_two, t_out, t_two_out, t_gemm = in_turns(
-                    [fused, two_calls, fused_out, two_calls_out, gemm], min_time)
+                fused_s, two_s, out_s, two_out_s, gemm_s = in_turns(
+                    [fused, two_calls, fused_out, two_calls_out, gemm], min_time, rounds)
                 case = f"{name} T={num_tokens} {layout}"
-                yield Row("fused_router", case, t_fused, "router_gemm + routing", t_two,
-                          x=num_tokens)
-                yield Row("fused_router", case, t_fused, "router_gemm alone", t_gemm,
-                          x=num_tokens)
-                yield Row("fused_router_out", case, t_out, "router_gemm + routing_out",
-                          t_two_out, x=num_tokens)
-                yield Row("fused_router_out", case, t_out, "router_gemm alone", t_gemm,
-                          x=num_tokens)
+                for op, times, baseline, baseline_times in (
+                        ("fused_router", fused_s, "router_gemm + routing", two_s),
+                        ("fused_router", fused_s, "router_gemm alone", gemm_s),
+                        ("fused_router_out", out_s, "router_gemm + routing_out", two_out_s),
+                        ("fused_router_out", out_s, "router_gemm alone", gemm_s)):
+                    yield Row(op, case, statistics.median(times), baseline,
+                              statistics.median(baseline_times), x=num_tokens,
+                              ratio_in_rounds=paired_ratio(times, baseline_times))
 
 
 def main(argv=None):
@@ -103,14 +116,24 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one preset, T = 1 (CI smoke)")
     parser.add_argument("--presets", default=None, help="comma-separated preset names")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"rounds of turns per case (default {ROUNDS})")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="timing per function and case, all rounds together "
+                             "(default 1.0, --quick 0.1)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.seconds is not None and not args.seconds > 0:
+        parser.error(f"--seconds must be above 0, got {args.seconds}")
     presets = args.presets.split(",") if args.presets else None
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-    print(f"# fused_router, bf16 hidden states and gate (H = {HIDDEN}), fp32 bias — "
-          f"{machine_line()}")
-    for row in rows(args.quick, presets, tokens):
+    print(f"# fused_router, bf16 hidden states and gate (H = {HIDDEN}), fp32 bias, "
+          f"{args.rounds} rounds — {machine_line()}")
+    for row in rows(args.quick, presets, tokens, args.rounds, args.seconds):
         # The targets are a few percent: the ratio to three places beside the speed-up.
-        print(f"{row.line()}   {row.moeext_s / row.baseline_s:.3f}x the time", flush=True)
+        median, q1, q3 = row.ratio_in_rounds
+        print(f"{row.line()}   {median:.3f}x the time (rounds {q1:.3f}-{q3:.3f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,6 +19,8 @@ class Row:
     baseline: str           # what users run today, measured in the same run
     baseline_s: float
     x: Optional[float] = None  # plot abscissa (tokens), when the row belongs to a series
+    # Where the two were timed in turns: the median and quartiles of the rounds' time ratios.
+    ratio_in_rounds: Optional[Tuple[float, float, float]] = None
 
     @property
     def speedup(self) -> float:
