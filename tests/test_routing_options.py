@@ -284,6 +284,22 @@ def test_replay_gives_routings_own_weights(device_isa, preset, ids_dtype):
         assert torch.equal(replayed, weights)
 
 
+@pytest.mark.parametrize("num_experts,topk", [(96, 32), (96, 33), (300, 40), (1024, 64)])
+def test_replay_of_a_softmax_row_gives_routings_own_weights_at_any_topk(device_isa, num_experts,
+                                                                        topk):
+    """A softmax row's sum follows the kernel that routed it: on a GPU the warp kernel up to
+    top-32, the block kernel past it (found by a random sweep: the replay had followed the
+    warp kernel's layout whatever the top-k)."""
+    device, _ = device_isa
+    g = torch.Generator().manual_seed(topk)
+    logits = torch.randn(17, num_experts, generator=g).to(device)
+    for renormalize in (True, False):
+        weights, ids = moeext.biased_grouped_topk(logits, None, 1, 1, topk, renormalize, 2.5,
+                                                  "softmax")
+        replayed = moeext.routing_weights(logits, ids, renormalize, 2.5, "softmax")
+        assert torch.equal(replayed, weights)
+
+
 @pytest.mark.parametrize("scoring_func", ["sigmoid", "sqrtsoftplus", "softmax"])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_replay_of_any_ids_matches_the_reference(device_isa, scoring_func, renormalize):

@@ -6,9 +6,10 @@
 // row that fails gets NaN weights. The scores are the routing kernels' own: sigmoid and
 // sqrt-softplus are elementwise (the same function of the same logit, so the same bits);
 // softmax needs the row's maximum and sum, reduced in the lane layout of the warp kernel
-// that routes such a row where it routes one (E <= 1024), else as the block kernel does, so
-// that a replay of routing's ids gives routing's weights bit for bit (up to a topology whose
-// groups made the warp kernel pick wider lanes: there, within the rounding of the sum).
+// that routes such a row where it routes one (E <= 1024, top-k <= 32), else as the block
+// kernel does, so that a replay of routing's ids gives routing's weights bit for bit (up to a
+// topology whose groups made routing pick wider lanes or the block kernel: there, within the
+// rounding of the sum).
 #include <type_traits>
 
 #include "gpu/compat.h"
@@ -201,9 +202,10 @@ GpuError routing_weights_gpu(const RoutingWeightsParams& params, void* stream) {
   if (params.num_tokens <= 0 || params.k <= 0) return nullptr;
   if (const char* limit = routing_weights_gpu_limit(params)) return limit;
   const int warp_size = gpu::warp_size_of_current_device();
-  // The warp kernel routes a softmax row of this many experts (with no groups to keep, the
-  // narrowest lanes that cover it) where plan_fast_path gives it one.
-  const FastPathPlan plan = plan_fast_path(warp_size, params.num_experts, 1, 1, 1);
+  // The warp kernel routes a softmax row of this many experts and this top-k (with no groups
+  // to keep, the narrowest lanes that cover it) where plan_fast_path gives it one; past its
+  // top-k the block kernel routes it, and its reductions are the ones to follow.
+  const FastPathPlan plan = plan_fast_path(warp_size, params.num_experts, 1, 1, params.k);
   const bool softmax = params.scoring_func == ScoringFunc::kSoftmax;
   const int experts_per_lane = softmax ? plan.experts_per_lane : 0;
   const int warps = kGeneralThreads / warp_size;

@@ -269,7 +269,8 @@ def routing_weights(
     Steps 6 and 7 of :func:`biased_grouped_topk` at given ids: the experts' scores ``s``
     (softmax over the whole row), NaN as 0, divided by their sum + 1e-20 if ``renormalize``,
     times ``routed_scaling_factor``. Given the ids routing chose, in its order, the weights
-    are routing's own, bit for bit, on the same device (and CPU path).
+    are routing's own, bit for bit, on the same device (and CPU path); on a GPU, a softmax
+    row routed with groups to keep can differ within the rounding of its sum (§6.6 says when).
 
     Args:
         gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16, any strides.
