@@ -384,6 +384,54 @@ def test_replay_gradient_matches_the_reference(device, scoring_func):
     torch.testing.assert_close(x.grad.cpu(), y.grad, rtol=1e-4, atol=1e-6)
 
 
+def _sqrt_softplus_weights_f64(logits, ids, renormalize, scale):
+    """Routing's weights at these ids in float64, sqrt(softplus(x)) taken as exp(x / 2) below
+    -20 (where float64 agrees with it to 1e-9 and does not underflow before -1490)."""
+    x = logits.double()
+    far = x < -20
+    s = torch.where(far, torch.exp(0.5 * torch.where(far, x, 0.0)),
+                    torch.sqrt(torch.nn.functional.softplus(torch.where(far, 0.0, x))))
+    w = s.gather(1, ids.long())
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_sqrt_softplus_gradient_is_finite_far_below_zero(device, renormalize):
+    """Chosen experts whose logits lie where float32's softplus underflows (from -104, -inf
+    included) get the derivative exp(x / 2) / 2, not a NaN; and where a chosen score is
+    comparable to the renormalisation's 1e-20, the derivative is taken at the scores the
+    weights were made of. Ten columns: the vectorised lanes and the tail of torch's kernels."""
+    far = [float("-inf"), -300.0, -150.0, -110.0, -103.9, -103.3125, -95.0, -85.0, -30.0, -21.0]
+    logits = torch.tensor([far + [1.0, 0.5], [-85.0, -103.3125] + [-90.0] * 10])
+    ids = torch.tensor([list(range(10)), [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], dtype=torch.int32)
+    upstream = torch.linspace(-1.0, 2.0, 20).reshape(2, 10)
+    # Routing chooses these ids through a bias that favours them, in this order.
+    bias = torch.tensor([10.0 - e for e in range(10)] + [-50.0, -50.0])
+    x = logits.clone().to(device).requires_grad_()
+    weights, chosen = moeext.biased_grouped_topk(x, bias.to(device), 1, 1, 10, renormalize, 2.5,
+                                                 "sqrtsoftplus")
+    assert chosen.cpu().tolist() == ids.tolist()
+    (weights * upstream.to(device)).sum().backward()
+    y = logits.clone().to(device).requires_grad_()
+    (moeext.routing_weights(y, ids.to(device), renormalize, 2.5, "sqrtsoftplus")
+     * upstream.to(device)).sum().backward()
+    z = logits.clone().requires_grad_()
+    (reference.routing_weights(z, ids, renormalize, 2.5, "sqrtsoftplus") * upstream).sum().backward()
+    exact_input = logits.double().requires_grad_()
+    (_sqrt_softplus_weights_f64(exact_input, ids, renormalize, 2.5)
+     * upstream.double()).sum().backward()
+    exact = exact_input.grad
+    for got in (x.grad.cpu(), y.grad.cpu(), z.grad):
+        assert bool(torch.isfinite(got).all()), got
+        assert got[0, 0] == 0  # the -inf logit
+        torch.testing.assert_close(got[0].double(), exact[0], rtol=2e-5, atol=1e-44)
+        # The second row's scores are the forward's (exp rounded to float32's subnormals, as
+        # section 1 has it), a few in 1e4 off the exact ones: the reference is the measure.
+        torch.testing.assert_close(got[1], z.grad[1], rtol=1e-5, atol=0)
+
+
 # ---- torch.library and torch.compile ---------------------------------------------------------
 
 

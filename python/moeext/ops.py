@@ -132,9 +132,9 @@ def biased_grouped_topk(
     is differentiable in the logits: the derivative of steps 1 and 5 at the chosen ids (of
     the whole row for softmax), as torch's autograd takes it through
     ``moeext.reference.biased_grouped_topk``, except that an expert outside the chosen ones
-    gets 0 where the reference's whole-row derivative is NaN (a NaN logit, or a sqrt-softplus
-    score that underflows to 0). The bias and the ids get no gradient. The ``_out`` form
-    records no gradient.
+    gets 0 where the reference's whole-row derivative is NaN (a NaN logit). A sqrt-softplus
+    score's derivative is finite at any logit, -inf included (docs/SPEC.md §1). The bias and
+    the ids get no gradient. The ``_out`` form records no gradient.
 
     Raises:
         RuntimeError: naming the offending argument, for any input outside the contract

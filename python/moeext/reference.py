@@ -39,7 +39,13 @@ def _torch_score(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
     if scoring_func == "sigmoid":
         return torch.sigmoid(x)
     if scoring_func == "sqrtsoftplus":
-        return torch.sqrt(torch.nn.functional.softplus(x, beta=1.0, threshold=20.0))
+        # Below x = -20, sqrt(softplus(x)) is exp(x / 2) to float32 precision (within 1e-9),
+        # whose derivative stays finite and exact where the composed one divides by a score
+        # that float32's softplus lets underflow (from x = -104, -inf included, a NaN). Each
+        # branch sees only its own logits, so the other's derivative cannot meet 0 x inf.
+        far = x < -20
+        near = torch.nn.functional.softplus(torch.where(far, 0.0, x), beta=1.0, threshold=20.0)
+        return torch.where(far, torch.exp(0.5 * torch.where(far, x, 0.0)), torch.sqrt(near))
     e = torch.exp(x - x.amax(dim=-1, keepdim=True))
     return e / e.sum(dim=-1, keepdim=True)
 
