@@ -1,4 +1,5 @@
-"""A random sweep of the routing ops against moeext.reference and against each other.
+"""A random sweep of the routing ops and the router GEMM against moeext.reference and
+against each other.
 
 Not part of the suite (pytest collects only test_*.py): a tool to run for minutes or hours
 where the suite's fixed cases and hypothesis properties run for seconds. Each case draws a
@@ -11,7 +12,11 @@ huge, tiny, with NaN and inf rows) and strides, then checks:
 - the out= form, into a wider buffer, gives the same bits and writes nothing past its columns;
 - routing_weights of the chosen ids gives routing's weights bit for bit (docs/SPEC.md 6.6);
 - the section 6 options equal reference.apply_routing_options on the plain result;
-- fused_router equals router_gemm then biased_grouped_topk bit for bit, and its out= form.
+- fused_router equals router_gemm then biased_grouped_topk bit for bit, and its out= form;
+- router_gemm (any CPU path, odd sizes, strides, a prepacked weight, bf16 logits) within the
+  accumulation bound of the exact product, and exact where every sum is (small integers);
+- on the CPU, the logits' gradient through routing's weights and through the replay against
+  autograd through the reference at the same ids, within float32's rounding of the terms.
 
 --target cpu draws a CPU path per case; cuda and hip64 run the GPU kernels on the host
 (tests/gpu_emulation/, built under MOEEXT_GPU_EMULATION_BUILD or $TMPDIR), each case with a
@@ -25,23 +30,23 @@ exits 1 if any case failed.
 """
 
 import argparse
-import importlib.util
-import os
 import random
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import conftest  # noqa: E402 (tests/conftest.py)
 import moeext  # noqa: E402
 from moeext import reference  # noqa: E402
 from routing_check import assert_routing_matches, assert_valid_routing  # noqa: E402
+from test_router_gemm import assert_close_to_reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -63,7 +68,8 @@ class Sweep:
         self.results = []  # what a case computed, for the variants' comparison
         self.description = ""
         self.counts = dict.fromkeys(
-            ["plain", "float64_oracle", "out", "replay", "options", "fused"], 0)
+            ["plain", "float64_oracle", "out", "replay", "options", "fused", "gemm",
+             "gradient"], 0)
 
     # ---- inputs ------------------------------------------------------------------------------
 
@@ -258,27 +264,166 @@ class Sweep:
         assert same_bits(weights_out, weights) and same_bits(ids_out, ids), "out=: other bits"
         self.counts["fused"] += 1
 
+    def gemm_case(self, rng):
+        ops = self.ops
+        num_tokens = rng.choice([1, 5, 16, 17, 100, 223, 224, 225, 256, 257, 600] if self.big
+                                else [0, 1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 33, 64])
+        hidden_size = rng.choice([rng.randint(1, 70), rng.randint(1, 1100),
+                                  rng.randint(1, 9000 if self.big else 3000),
+                                  rng.choice([128, 1024, 4096, 7168])])
+        num_experts = rng.choice([rng.randint(1, 70), rng.randint(1, 1100),
+                                  rng.choice([16, 64, 160, 256, 384])])
+        dtype = rng.choice(DTYPES)
+        out_dtype = rng.choice([None, torch.float32, torch.bfloat16])
+        g = self.generator(rng)
+        kind = rng.choice(["normal", "integers", "mixed scales"])
+        if kind == "normal":
+            hidden = torch.randn(num_tokens, hidden_size, generator=g)
+            weight = 0.02 * torch.randn(num_experts, hidden_size, generator=g)
+        elif kind == "integers":  # exact products and sums: any order gives the exact logits
+            hidden = torch.randint(-4, 5, (num_tokens, hidden_size), generator=g).float()
+            weight = torch.randint(-4, 5, (num_experts, hidden_size), generator=g).float()
+        else:  # columns of very different magnitudes: cancellation at every size
+            hidden = torch.randn(num_tokens, hidden_size, generator=g) * torch.exp2(
+                torch.randint(-12, 13, (hidden_size,), generator=g).float())
+            weight = torch.randn(num_experts, hidden_size, generator=g)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        layout = rng.choice(["contiguous", "rows of a wider buffer", "transposed"])
+        if layout == "rows of a wider buffer":
+            wide = torch.zeros(num_tokens, hidden_size + rng.randint(1, 9), dtype=dtype)
+            wide[:, :hidden_size] = hidden
+            hidden = wide[:, :hidden_size]
+        elif layout == "transposed":
+            hidden = hidden.t().contiguous().t()
+        gate = weight
+        if not self.emulated and dtype == torch.bfloat16 and rng.random() < 0.4:
+            gate = moeext.prepack_router_weight(weight)
+        elif rng.random() < 0.3:
+            every_other = torch.zeros(num_experts, 2 * hidden_size, dtype=dtype)
+            every_other[:, ::2] = weight
+            gate = every_other[:, ::2]
+        self.description = (
+            f"router_gemm T={num_tokens} H={hidden_size} E={num_experts} {dtype} -> "
+            f"{out_dtype} {kind} hidden {layout} strides {hidden.stride()} weight "
+            f"{tuple(gate.shape)} strides {gate.stride()}")
+
+        logits = ops.router_gemm(hidden, gate, out_dtype)
+        self.results.append(logits)
+        assert_close_to_reference(logits, hidden, weight, out_dtype)
+        if kind == "integers" and out_dtype != torch.bfloat16:
+            assert torch.equal(logits.double(), reference.router_gemm(hidden, weight).double()), (
+                "an exact sum came out rounded")
+        self.counts["gemm"] += 1
+
+    def gradient_case(self, rng):
+        """The logits' gradient through routing's weights and through the replay, against
+        autograd through the reference at the same ids."""
+        groups = rng.choice([1, 1, 2, 4, 8])
+        size = rng.choice([1, 3, 8, 16, 32]) if groups > 1 else rng.randint(1, 300)
+        num_experts = groups * size
+        topk_group = rng.randint(1, groups)
+        topk = rng.randint(1, min(topk_group * size, 16))
+        num_tokens = rng.choice([1, 2, 5, 17])
+        scoring = rng.choice(["sigmoid", "sqrtsoftplus", "softmax"])
+        renormalize = rng.random() < 0.7
+        scale = rng.choice([1.0, 2.5])
+        dtype = rng.choice(DTYPES)
+        x = self.logits(rng, num_tokens, num_experts, dtype)
+        bias = self.bias(rng, num_experts)
+        upstream = torch.randn(num_tokens, topk, generator=self.generator(rng))
+        self.description = (
+            f"gradient T={num_tokens} E={num_experts} groups={groups} topk_group={topk_group} "
+            f"topk={topk} logits {x.dtype} strides {x.stride()} {scoring} "
+            f"renormalize={renormalize}")
+
+        args = (groups, topk_group, topk, renormalize, scale, scoring)
+        routed = x.detach().clone().requires_grad_()
+        weights, ids = moeext.biased_grouped_topk(routed, bias, *args)
+        (weights * upstream).sum().backward()
+        replayed = x.detach().clone().requires_grad_()
+        (moeext.routing_weights(replayed, ids, renormalize, scale, scoring)
+         * upstream).sum().backward()
+        expected_input = x.detach().clone().requires_grad_()
+        (reference.routing_weights(expected_input, ids.long(), renormalize, scale, scoring)
+         * upstream).sum().backward()
+        expected = expected_input.grad.float()
+        if scoring != "softmax":
+            # SPEC section 1: an expert not chosen gets 0 where the reference's derivative is
+            # NaN (its score's derivative times autograd's 0). A softmax couples the whole row:
+            # there a NaN reaches every expert in both.
+            chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+            chosen.scatter_(1, ids.long(), True)
+            expected = torch.where(torch.isnan(expected) & ~chosen, 0.0, expected)
+        # Both compute in float32 and round once to the logits' dtype. The renormalisation's
+        # and the softmax's terms can cancel, and a score below the normal floats keeps few
+        # bits: each side is within many float32 ulps of the terms' size and a few of the
+        # smallest float32 times the factor the score multiplies.
+        terms, sensitivity = gradient_terms(x, ids, upstream, renormalize, scale, scoring)
+        smallest = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133,
+                    torch.float16: 2.0**-24}[dtype]
+        rtol = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+        tolerance = (rtol * expected.abs().double() + 2.0**-14 * terms + 2.0**-146 * sensitivity
+                     + 4 * smallest)
+        for name, got in (("routing", routed.grad), ("replay", replayed.grad)):
+            assert got.dtype == dtype, f"{name}: gradient in {got.dtype}"
+            error = (got.double() - expected.double()).abs()
+            bad = ~((error <= tolerance) | (got.float() == expected)
+                    | (torch.isnan(got.float()) & torch.isnan(expected)))
+            assert not bool(bad.any()), (
+                f"{name}: gradient {got.float()[bad][:4].tolist()} where autograd through the "
+                f"reference gives {expected[bad][:4].tolist()} (terms of "
+                f"{terms[bad][:4].tolist()})")
+        self.counts["gradient"] += 1
+
     def case(self, seed):
         self.description = ""
         rng = random.Random(seed)
-        if rng.random() < 0.8:
+        draw = rng.random()
+        if draw < 0.6:
             self.routing_case(rng)
-        else:
+        elif draw < 0.75:
             self.fused_case(rng)
+        elif draw < 0.9 or self.emulated:  # a gradient runs on the CPU: emulated ops defer
+            self.gemm_case(rng)
+        else:
+            self.gradient_case(rng)
+
+
+def gradient_terms(x, ids, upstream, renormalize, scale, scoring):
+    """Per logit, float64: the size of the terms whose sum is its derivative through routing's
+    weights, and how much the derivative moves per unit of the scores (or the score's
+    derivative) it is made of: what a float32 computation's rounding, and a score below the
+    normal floats, are relative to. A NaN score counts as 0."""
+    x = x.double()
+    if scoring == "softmax":
+        s = torch.softmax(x, dim=-1)
+    elif scoring == "sigmoid":
+        s = torch.sigmoid(x)
+        derivative = s * (1 - s)
+    else:
+        s = torch.sqrt(F.softplus(x))
+        derivative = torch.where(x < -20, 0.5 * torch.exp(0.5 * x), torch.sigmoid(x) / (2 * s))
+    s = torch.where(torch.isnan(s), 0.0, s)
+    if scoring != "softmax":
+        derivative = torch.where(torch.isnan(derivative), 0.0, derivative)
+    chosen = s.gather(1, ids.long())
+    up = upstream.double().abs() * abs(scale)
+    if renormalize:
+        total = chosen.sum(dim=1, keepdim=True) + 1e-20
+        g = up / total + (up * chosen).sum(dim=1, keepdim=True) / total**2
+    else:
+        g = up
+    by_score = torch.zeros_like(x).scatter_(1, ids.long(), g)  # bounds |d loss / d score|
+    if scoring == "softmax":  # d / d x_j = p_j (g_j - sum_i g_i p_i), g_i = d loss / d p_i
+        factor = by_score + (by_score * s).sum(dim=1, keepdim=True)
+        return s * factor, factor + s * by_score.sum(dim=1, keepdim=True)
+    return derivative * by_score, by_score
 
 
 def emulated_module(flavour):
-    def load(name):
-        spec = importlib.util.spec_from_file_location(f"sweep_emulation_{name}",
-                                                      HERE / "gpu_emulation" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    build = os.environ.get("MOEEXT_GPU_EMULATION_BUILD",
-                           Path(tempfile.gettempdir()) / "moeext-gpu-emulation")
-    module = load("prepare").load(build, flavour)
-    return module, load("ops").EmulatedOps(module)
+    """The suite's build of the GPU kernels for the host (conftest.py) and its ops."""
+    module = conftest.emulation_file("prepare").load(conftest.emulation_build_root(), flavour)
+    return module, conftest.emulation_file("ops").EmulatedOps(module)
 
 
 def main(argv=None):
