@@ -337,9 +337,16 @@ class Sweep:
             f"renormalize={renormalize}")
 
         args = (groups, topk_group, topk, renormalize, scale, scoring)
+        # With the section 6 options, the routed columns carry the gradient of the plain call
+        # at its logical ids; the shared columns are constants.
+        options = self.options(rng, num_experts, num_tokens, topk) if rng.random() < 0.4 else {}
+        shared = options.get("num_fused_shared_experts", 0)
+        shared_upstream = torch.randn(num_tokens, shared, generator=self.generator(rng))
+        self.description += f" options {sorted(options)}"
         routed = x.detach().clone().requires_grad_()
-        weights, ids = moeext.biased_grouped_topk(routed, bias, *args)
-        (weights * upstream).sum().backward()
+        weights, _ = moeext.biased_grouped_topk(routed, bias, *args, **options)
+        ids = moeext.biased_grouped_topk(x, bias, *args)[1]
+        (weights * torch.cat([upstream, shared_upstream], dim=1)).sum().backward()
         replayed = x.detach().clone().requires_grad_()
         (moeext.routing_weights(replayed, ids, renormalize, scale, scoring)
          * upstream).sum().backward()
