@@ -18,7 +18,8 @@ huge, tiny, with NaN and inf rows) and strides, then checks:
 - on the CPU, the logits' gradient through routing's weights and through the replay against
   autograd through the reference at the same ids, within float32's rounding of the terms.
 
---target cpu draws a CPU path per case; cuda and hip64 run the GPU kernels on the host
+--target cpu draws a CPU path per case and runs it at two thread counts, which must give the
+same bits; cuda and hip64 run the GPU kernels on the host
 (tests/gpu_emulation/, built under MOEEXT_GPU_EMULATION_BUILD or $TMPDIR), each case with a
 random run order, multiprocessor count, PDL mode and kernel variants, and again with the
 current kernels, which must give the same bits.
@@ -55,8 +56,9 @@ def same_bits(a, b):
     """Equal shapes, dtypes and bits (a NaN equals the same NaN)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.dtype == torch.float32:
-        return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    if a.dtype.is_floating_point:
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
     return torch.equal(a, b)
 
 
@@ -371,6 +373,7 @@ class Sweep:
         rtol = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
         tolerance = (rtol * expected.abs().double() + 2.0**-14 * terms + 2.0**-146 * sensitivity
                      + 4 * smallest)
+        self.results += [routed.grad, replayed.grad]
         for name, got in (("routing", routed.grad), ("replay", replayed.grad)):
             assert got.dtype == dtype, f"{name}: gradient in {got.dtype}"
             error = (got.double() - expected.double()).abs()
@@ -452,7 +455,7 @@ def main(argv=None):
         sweep = Sweep(ops, emulated=True, big=args.big)
         cpu_paths = [moeext.cpu_isa()]  # the checks' and the CPU fallbacks' path
     rng = random.Random(args.seed)
-    failures, cases, same_as_current = 0, 0, 0
+    failures, cases, repeated = 0, 0, 0
     end = time.time() + args.seconds
     while time.time() < end:
         seed = args.case if args.case is not None else rng.randrange(1 << 30)
@@ -460,7 +463,7 @@ def main(argv=None):
         where_rng = random.Random(seed + 1)
         moeext.set_cpu_isa(where_rng.choice(cpu_paths))
         where = f"cpu path {moeext.cpu_isa()}"
-        setting = None
+        again = None  # what the case's second run changes, and what differing bits mean
         if module is not None:
             # run order, its seed, multiprocessors, routing / GEMM / fused variant, PDL
             setting = (where_rng.randrange(3), where_rng.randrange(1 << 30),
@@ -468,19 +471,27 @@ def main(argv=None):
                        where_rng.randrange(2), where_rng.randrange(2), where_rng.random() < 0.5)
             module.configure(*setting)
             where = f"{args.target} {setting}"
+            if setting[3:6] != (0, 0, 0):
+                again = (lambda: module.configure(*setting[:3], 0, 0, 0, setting[6]),
+                         "the variants' bits differ from the current kernels'")
+        else:
+            threads = where_rng.sample([1, 2, 3], 2)
+            torch.set_num_threads(threads[0])
+            where += f", {threads[0]} threads, then {threads[1]}"
+            again = (lambda: torch.set_num_threads(threads[1]),
+                     f"{threads[1]} threads give other bits than {threads[0]}")
         try:
             sweep.results = []
             sweep.case(seed)
-            if setting is not None and setting[3:6] != (0, 0, 0):
-                variant_results, counts = sweep.results, dict(sweep.counts)
-                module.configure(*setting[:3], 0, 0, 0, setting[6])
+            if again is not None:
+                first_results, counts = sweep.results, dict(sweep.counts)
+                again[0]()
                 sweep.results = []
                 sweep.case(seed)
                 sweep.counts = counts
-                assert len(variant_results) == len(sweep.results) and all(
-                    same_bits(a, b) for a, b in zip(variant_results, sweep.results)), (
-                    "the variants' bits differ from the current kernels'")
-                same_as_current += 1
+                assert len(first_results) == len(sweep.results) and all(
+                    same_bits(a, b) for a, b in zip(first_results, sweep.results)), again[1]
+                repeated += 1
         except Exception as e:  # noqa: BLE001 (every failure is reported, the sweep goes on)
             failures += 1
             print(f"FAIL --case {seed}{' --big' if args.big else ''} ({where}) "
@@ -493,8 +504,9 @@ def main(argv=None):
         if args.case is not None:
             break
     print(f"{cases} cases ({args.target}{', big' if args.big else ''}), {failures} failed; "
-          f"{sweep.counts}" + (f", variants equal to the current kernels in {same_as_current}"
-                               if module is not None else ""))
+          f"{sweep.counts}, " + (f"variants equal to the current kernels in {repeated}"
+                                 if module is not None
+                                 else f"the same bits at another thread count in {repeated}"))
     return 1 if failures else 0
 
 
