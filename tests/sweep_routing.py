@@ -14,7 +14,8 @@ huge, tiny, with NaN and inf rows) and strides, then checks:
 - the section 6 options equal reference.apply_routing_options on the plain result;
 - fused_router equals router_gemm then biased_grouped_topk bit for bit, and its out= form;
 - router_gemm (any CPU path, odd sizes, strides, a prepacked weight, bf16 logits) within the
-  accumulation bound of the exact product, and exact where every sum is (small integers);
+  accumulation bound of the exact product, and exact where every sum is (small integers); on
+  the CPU, its two gradients within that bound of theirs;
 - on the CPU, the logits' gradient through routing's weights and through the replay against
   autograd through the reference at the same ids, within float32's rounding of the terms.
 
@@ -71,7 +72,7 @@ class Sweep:
         self.description = ""
         self.counts = dict.fromkeys(
             ["plain", "float64_oracle", "out", "replay", "options", "fused", "gemm",
-             "gradient"], 0)
+             "gemm_gradient", "gradient"], 0)
 
     # ---- inputs ------------------------------------------------------------------------------
 
@@ -316,6 +317,36 @@ class Sweep:
             assert torch.equal(logits.double(), reference.router_gemm(hidden, weight).double()), (
                 "an exact sum came out rounded")
         self.counts["gemm"] += 1
+        # The emulated ops defer a gradient to the CPU; a prepacked weight has none.
+        if (not self.emulated and gate.dim() == 2 and num_tokens > 0 and rng.random() < 0.3
+                and not (dtype == torch.float16 and kind == "mixed scales")):
+            self.gemm_gradient(hidden, gate, out_dtype, rng)
+
+    def gemm_gradient(self, hidden, weight, out_dtype, rng):
+        """router_gemm's gradients, grad @ weight and grad.T @ hidden in float32 rounded once
+        to the inputs' dtype, against the exact products of the same upstream gradient."""
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_()
+        logits = self.ops.router_gemm(h, w, out_dtype)
+        upstream = torch.randn(logits.shape, generator=self.generator(rng)).to(logits.dtype)
+        logits.backward(upstream)  # torch's matmuls: their bits may follow the thread count
+        up = upstream.double()
+        rtol = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[h.dtype]
+        spacing = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133,
+                   torch.float16: 2.0**-24}[h.dtype]  # of the subnormals
+        for name, got, exact, magnitude, length in (
+                ("hidden_states", h.grad, up @ weight.double(),
+                 up.abs() @ weight.double().abs(), weight.shape[0]),
+                ("weight", w.grad, up.T @ hidden.double(),
+                 up.abs().T @ hidden.double().abs(), hidden.shape[0])):
+            assert got.dtype == h.dtype and got.shape == exact.shape, f"{name}: gradient's layout"
+            tolerance = (4 * max(length, 1) ** 0.5 * 2.0**-24 * magnitude * (1 + rtol)
+                         + rtol * exact.abs() + spacing)
+            error = (got.double() - exact).abs()
+            assert bool((error <= tolerance).all()), (
+                f"{name}: gradient off the exact product by {float((error - tolerance).max()):.3g} "
+                f"beyond the bound")
+        self.counts["gemm_gradient"] += 1
 
     def gradient_case(self, rng):
         """The logits' gradient through routing's weights and through the replay, against
