@@ -201,7 +201,17 @@ class Sweep:
         self.counts["out"] += 1
 
         if num_tokens > 0:
-            replayed = ops.routing_weights(x, ids, renormalize, scale, scoring)
+            # A record of any id dtype and layout: a routed_experts buffer's rows, a column
+            # slice of a wider one, a transposed copy.
+            record = ids.to(rng.choice([torch.int16, torch.int32, torch.int64]))
+            layout = rng.choice(["as returned", "columns of a wider record", "transposed"])
+            if layout == "columns of a wider record":
+                wide = torch.full((num_tokens, topk + 3), -1, dtype=record.dtype)
+                wide[:, 1:topk + 1] = record
+                record = wide[:, 1:topk + 1]
+            elif layout == "transposed":
+                record = record.t().contiguous().t()
+            replayed = ops.routing_weights(x, record, renormalize, scale, scoring)
             if self.emulated and scoring == "softmax" and groups > 1:
                 # SPEC 6.6: the replay's softmax sum follows the layout of a row without
                 # groups, which routing with groups may not have used.
