@@ -52,8 +52,8 @@ at::Tensor routing_weights_backward(const at::Tensor& grad_weights,
   const at::Tensor g = grad_weights.to(at::kFloat);
   const bool softmax = scoring_func == "softmax";
   const at::Tensor x = logits.gather(1, ids);
-  const at::Tensor s =
-      softmax ? forward_scores(logits, scoring_func).gather(1, ids) : forward_scores(x, scoring_func);
+  const at::Tensor s = softmax ? forward_scores(logits, scoring_func).gather(1, ids)
+                               : forward_scores(x, scoring_func);
   const at::Tensor is_nan = at::isnan(s);
   const at::Tensor u = at::where(is_nan, at::zeros_like(s), s);
   at::Tensor grad_u;
