@@ -341,9 +341,9 @@ class Sweep:
         upstream = torch.randn(logits.shape, generator=self.generator(rng)).to(logits.dtype)
         logits.backward(upstream)  # torch's matmuls: their bits may follow the thread count
         up = upstream.double()
-        rtol = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[h.dtype]
-        spacing = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133,
-                   torch.float16: 2.0**-24}[h.dtype]  # of the subnormals
+        # float32 gradients are the sums themselves; others are rounded once more.
+        rtol = 0.0 if h.dtype == torch.float32 else torch.finfo(h.dtype).eps
+        spacing = subnormal_spacing(h.dtype)
         for name, got, exact, magnitude, length in (
                 ("hidden_states", h.grad, up @ weight.double(),
                  up.abs() @ weight.double().abs(), weight.shape[0]),
@@ -409,11 +409,10 @@ class Sweep:
         # bits: each side is within many float32 ulps of the terms' size and a few of the
         # smallest float32 times the factor the score multiplies.
         terms, sensitivity = gradient_terms(x, ids, upstream, renormalize, scale, scoring)
-        smallest = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133,
-                    torch.float16: 2.0**-24}[dtype]
-        rtol = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
-        tolerance = (rtol * expected.abs().double() + 2.0**-14 * terms + 2.0**-146 * sensitivity
-                     + 4 * smallest)
+        rtol = torch.finfo(dtype).eps
+        tolerance = (rtol * expected.abs().double() + 2.0**-14 * terms
+                     + 8 * subnormal_spacing(torch.float32) * sensitivity
+                     + 4 * subnormal_spacing(dtype))
         self.results += [routed.grad, replayed.grad]
         for name, got in (("routing", routed.grad), ("replay", replayed.grad)):
             assert got.dtype == dtype, f"{name}: gradient in {got.dtype}"
@@ -438,6 +437,12 @@ class Sweep:
             self.gemm_case(rng)
         else:
             self.gradient_case(rng)
+
+
+def subnormal_spacing(dtype):
+    """The distance between neighbouring subnormals of a floating dtype (its smallest step)."""
+    info = torch.finfo(dtype)
+    return info.tiny * info.eps
 
 
 def gradient_terms(x, ids, upstream, renormalize, scale, scoring):
