@@ -68,6 +68,24 @@ def _is_group_near_tie(b_row, got_ids, ref_ids, bias, num_expert_group, topk_gro
     return order[: got_ids.numel()] == got_ids.long().tolist()
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_same_bits(got, expected, message=""):
+    """``got`` holds ``expected``'s values bit for bit: the same dtype, shape and bits, with NaN
+    exactly where ``expected`` has NaN (whatever its payload; NaN never equals itself, so
+    torch.equal alone would fail every row with one, such as a weight of inf / inf)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape, message
+    got, expected = got.cpu(), expected.cpu()
+    if got.is_floating_point():
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(got), nan), message
+        bits = _BITS[got.element_size()]
+        got = got.masked_fill(nan, 0).view(bits)
+        expected = expected.masked_fill(nan, 0).view(bits)
+    assert torch.equal(got, expected), message
+
+
 def assert_routing_matches(
     weights,
     ids,

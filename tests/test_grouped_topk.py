@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import moeext
 from conftest import DEVICES, GPU_DEVICES
 from moeext.presets import PRESETS
-from routing_check import assert_routing_matches, assert_valid_routing
+from routing_check import assert_routing_matches, assert_same_bits, assert_valid_routing
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -1449,7 +1449,7 @@ def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, v
             moeext._C._set_gpu_routing_variant(variant)
             other = moeext.biased_grouped_topk(logits, bias, **kw)
             moeext._C._set_gpu_routing_variant(0)
-            assert torch.equal(other[1], current[1]), (logits.dtype, bias)
-            assert torch.equal(other[0], current[0]), (logits.dtype, bias)
+            assert_same_bits(other[1], current[1], (logits.dtype, bias))
+            assert_same_bits(other[0], current[0], (logits.dtype, bias))
     finally:
         moeext._C._set_gpu_routing_variant(previous)
