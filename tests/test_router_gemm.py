@@ -546,9 +546,10 @@ def router_gemm_variant(variant):
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
 def test_router_gemm_variant_is_the_current_kernel(device, dtype, out_dtype, pdl):
-    """Variant 1 (the weight asked of L2 before the grid wait) gives the current kernel's bits:
-    every token tile, odd gates and hidden sizes, strided rows, a hidden size of 0, with and
-    without programmatic dependent launch, calls back to back on the stream."""
+    """Variant 1 (never the weight asked of L2 before the grid wait, which the current kernel
+    does under programmatic dependent launch) gives the current kernel's bits: every token
+    tile, odd gates and hidden sizes, strided rows, a hidden size of 0, with and without
+    programmatic dependent launch, calls back to back on the stream."""
     cases = [(t, 7168, 256) for t in (1, 2, 3, 5, 8, 9, 16)]
     cases += [(4, 6144, 384), (1, 1000, 7), (11, 8, 160), (3, 0, 5), (2, 32776, 3)]
     inputs = []

@@ -200,14 +200,24 @@ __device__ __forceinline__ void allow_dependent_grids() {
 #endif
 }
 
+// Whether launch_dependent launches with programmatic stream serialization now: the setting
+// is on and gpu_programmatic_dependent_launch_supported(); never on HIP.
+inline bool launches_programmatic() {
+#if !defined(MOEEXT_HIP)
+  return gpu_programmatic_dependent_launch() && gpu_programmatic_dependent_launch_supported();
+#else
+  return false;
+#endif
+}
+
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), with programmatic stream
-// serialization where the setting is on and gpu_programmatic_dependent_launch_supported().
+// serialization where launches_programmatic().
 // Only for kernels that call wait_for_prior_grids() before touching global memory.
 template <typename... Params, typename... Args>
 GpuError launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
                           Stream stream, Args... args) {
 #if !defined(MOEEXT_HIP)
-  if (gpu_programmatic_dependent_launch() && gpu_programmatic_dependent_launch_supported()) {
+  if (launches_programmatic()) {
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;

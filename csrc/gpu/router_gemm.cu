@@ -31,14 +31,14 @@ namespace {
 using gpu::router_gemm::compute_logits_block;
 using gpu::router_gemm::kThreads;
 
-// One instance per (tokens, warp width, dtypes, variant: moeext::gpu_router_gemm_variant).
+// One instance per (tokens, warp width, dtypes, kPrefetch: prefetches_weight_rows).
 // Instances for a warp width other than the target's compile to an empty body; the launcher
 // only runs the one for the device's width.
-template <int kTokens, int kWarpSize, typename In, typename Out, int kVariant>
+template <int kTokens, int kWarpSize, typename In, typename Out, int kPrefetch>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     router_gemm_kernel(RouterGemmParams p) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
-    if constexpr (kVariant == 1) {
+    if constexpr (kPrefetch == 1) {
       gpu::router_gemm::prefetch_weight_rows<kTokens, In>(p, int(blockIdx.x));
     }
     gpu::wait_for_prior_grids();
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
 template <int kTokens, int kWarpSize, typename In, typename Out>
 GpuError launch(const RouterGemmParams& p, gpu::Stream stream) {
   const unsigned blocks = unsigned(gpu::router_gemm_blocks(kTokens, p.num_experts));
-  const auto kernel = gpu_router_gemm_variant() == 1 && p.hidden_size > 0
+  const auto kernel = gpu::router_gemm::prefetches_weight_rows(p)
                           ? router_gemm_kernel<kTokens, kWarpSize, In, Out, 1>
                           : router_gemm_kernel<kTokens, kWarpSize, In, Out, 0>;
   return gpu::launch_dependent(kernel, dim3(blocks), dim3(kThreads), 0, stream, p);

@@ -114,15 +114,22 @@ __device__ __forceinline__ void warp_reduce_scatter(const float (&v)[N], int lan
 // read as it is without the hint.
 constexpr int kPrefetchLinesPerThread = 2;
 
-// Into L2, block `block`'s weight rows, before the kernel waits for the grid before it (the
-// router GEMM's variant 1, moeext::gpu_router_gemm_variant): with programmatic dependent
-// launch the weight then streams from memory while that grid finishes, and the loads after
-// the wait find it in L2. A prefetch returns nothing to the thread, and L2 is where every
-// grid's stores land, so what the loads read after the wait is what they read without it.
+// Whether the GEMM kernels (router_gemm's, the fused router's one launch) launch the instance
+// that calls prefetch_weight_rows: where the launch is programmatic (on an H200, 2026-11-30,
+// 1.00-1.12x faster with PDL and 0.92-1.00x without: docs/notes/gpu-kernels.md), unless the
+// router GEMM variant 1 asks for the kernel without it; never with hidden_size 0.
+inline bool prefetches_weight_rows(const RouterGemmParams& p) {
+  return p.hidden_size > 0 && gpu_router_gemm_variant() == 0 && launches_programmatic();
+}
+
+// Into L2, block `block`'s weight rows, before the kernel waits for the grid before it (where
+// prefetches_weight_rows): with programmatic dependent launch the weight then streams from
+// memory while that grid finishes, and the loads after the wait find it in L2. A prefetch
+// returns nothing to the thread, and L2 is where every grid's stores land, so what the loads
+// read after the wait is what they read without it.
 // Every thread asks for kPrefetchLinesPerThread addresses in every row, those past the row's
 // end for its last byte, with no branch (the grid-dependency check then sees no path around
-// the wait). Needs hidden_size > 0 (the launchers run variant 0 otherwise). CUDA only: a
-// hint, nothing else changes.
+// the wait). Needs hidden_size > 0. CUDA only: a hint, nothing else changes.
 template <int kTokens, typename In>
 __device__ __forceinline__ void prefetch_weight_rows(const RouterGemmParams& p, int block) {
 #if !defined(MOEEXT_HIP)
