@@ -249,15 +249,19 @@ class RouterGemm:
 
 
 class FusedRouter:
-    """fused_router at a model's gate, decode-sized (one launch on the GPU: its completion
-    counter must be back at zero for every replay), bit for bit the two calls it fuses, run
-    on the GPU on the replay's inputs; with the options, the count and record buffers too."""
+    """fused_router at a model's gate, decode-sized, bit for bit the two calls it fuses, run
+    on the GPU on the replay's inputs; with the options, the count and record buffers too.
+    ``fused_variant`` (moeext::gpu_fused_router_variant) is set while the graph is captured:
+    0 the two kernels, 1 the one launch (its completion counter must be back at zero for every
+    replay)."""
 
-    def __init__(self, preset, num_tokens, options=False):
+    def __init__(self, preset, num_tokens, options=False, fused_variant=1):
         self.preset = PRESETS[preset]
         self.num_tokens = num_tokens
         self.options = options
-        self.name = f"fused_router-{preset}-T{num_tokens}" + ("-options" if options else "")
+        self.fused_variant = fused_variant
+        self.name = (f"fused_router-{preset}-T{num_tokens}" + ("-options" if options else "")
+                     + ("-one-launch" if fused_variant else "-two-kernels"))
 
     def make(self, seed):
         p = self.preset
@@ -281,8 +285,13 @@ class FusedRouter:
                     routed_experts=t["record"], num_valid_tokens=t["valid"])
 
     def run(self, t):
-        return moeext.fused_router(t["hidden"], t["weight"], t["bias"], **self.preset.op_kwargs(),
-                                   **self._options(t), return_logits=True)
+        previous = moeext._C._set_gpu_fused_router_variant(self.fused_variant)
+        try:
+            return moeext.fused_router(t["hidden"], t["weight"], t["bias"],
+                                       **self.preset.op_kwargs(), **self._options(t),
+                                       return_logits=True)
+        finally:
+            moeext._C._set_gpu_fused_router_variant(previous)
 
     def check(self, new, t, outputs):
         expected_buffers = {name: new[name].to(t["hidden"].device) for name in new}
@@ -412,6 +421,8 @@ CASES = [
     RouterGemm(torch.float32), RouterGemm(torch.bfloat16),
     FusedRouter("deepseek-v3", 1), FusedRouter("deepseek-v3", 16, options=True),
     FusedRouter("kimi-k2", 3), FusedRouter("kimi-k2", 16),
+    FusedRouter("deepseek-v3", 1, fused_variant=0),
+    FusedRouter("deepseek-v3", 16, options=True, fused_variant=0),
     ZeroTail(), ZeroTailTracked(),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True), ShuffleWeight(torch.bfloat16, False),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True, inverse=True),

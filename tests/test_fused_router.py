@@ -376,20 +376,23 @@ def test_direct_call_is_the_op(device):
 
 # ---- The GPU's one launch: its completion counter --------------------------------------------
 
+@pytest.mark.parametrize("fused_variant", [0, 1, 2])
 @pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
-def test_repeated_calls_on_two_cuda_streams():
-    # Each call resets its counter; calls on two streams at once use a counter each.
+def test_repeated_calls_on_two_cuda_streams(fused_variant):
+    # The one launch (fused router variants 1 and 2): each call resets its counter; calls on
+    # two streams at once use a counter each.
     p = PRESETS["deepseek-v3"]
     inputs = [make_inputs(t, 7168, "deepseek-v3", seed=t, device="cuda") for t in (1, 3, 16)]
     expected = [two_calls(h, w, b, p)[:2] for h, w, b in inputs]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     results = []
     torch.cuda.synchronize()
-    for round in range(20):
-        for i, (h, w, b) in enumerate(inputs):
-            with torch.cuda.stream(streams[(round + i) % 2]):
-                results.append((i, moeext.fused_router(h, w, b, **p.op_kwargs())[:2]))
-    torch.cuda.synchronize()
+    with plain_variants(0, fused_variant):
+        for round in range(20):
+            for i, (h, w, b) in enumerate(inputs):
+                with torch.cuda.stream(streams[(round + i) % 2]):
+                    results.append((i, moeext.fused_router(h, w, b, **p.op_kwargs())[:2]))
+        torch.cuda.synchronize()
     for i, got in results:
         assert_equal(got, expected[i])
 
@@ -609,10 +612,12 @@ def test_out_form_direct_call_is_the_op(device):
     assert moeext._C.call_fused_router_out(*args[:9], b"sigmoid") is NotImplemented
 
 
+@pytest.mark.parametrize("fused_variant", [0, 1])
 @pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
-def test_out_form_in_a_cuda_graph():
+def test_out_form_in_a_cuda_graph(fused_variant):
     # Persistent buffers, as a decode step captures them: the graph's replays route whatever
-    # the input buffer holds, and the counts accumulate over replays.
+    # the input buffer holds, and the counts accumulate over replays. The graph keeps the way
+    # of running (two kernels, or the one launch) set while it was captured.
     p = PRESETS["deepseek-v3"]
     inputs = [make_inputs(4, 7168, "deepseek-v3", seed=s, device="cuda") for s in range(3)]
     hidden = inputs[0][0].clone()
@@ -621,15 +626,16 @@ def test_out_form_in_a_cuda_graph():
     ids = torch.empty(4, 8, dtype=torch.int32, device="cuda")
     counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # warm-up outside the capture
-        moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4, True, 2.5,
-                                expert_counts=counts)
-    torch.cuda.synchronize()
-    counts.zero_()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4, True, 2.5,
-                                expert_counts=counts)
+    with plain_variants(0, fused_variant):
+        with torch.cuda.stream(stream):  # warm-up outside the capture
+            moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4, True, 2.5,
+                                    expert_counts=counts)
+        torch.cuda.synchronize()
+        counts.zero_()
+        with torch.cuda.graph(graph):
+            moeext.fused_router_out(hidden, weight, bias, weights, ids, 8, 4, True, 2.5,
+                                    expert_counts=counts)
     expected_counts = torch.zeros_like(counts)
     for h, _, _ in inputs:
         hidden.copy_(h)
@@ -641,13 +647,14 @@ def test_out_form_in_a_cuda_graph():
     assert torch.equal(counts, expected_counts)
 
 
-# ---- The variants of the one launch (the router GEMM's and the completion count's) -----------
+# ---- The variants: the router GEMM's, and the one launch with either count --------------------
 
 @contextlib.contextmanager
-def plain_variants(gemm, counter):
-    """moeext._C's A/B switches for the plain one-launch kernel, set for the block."""
+def plain_variants(gemm, fused):
+    """moeext._C's A/B switches of the router GEMM and of how fused_router runs (0: the two
+    kernels; 1, 2: the one launch), set for the block."""
     previous = (moeext._C._set_gpu_router_gemm_variant(gemm),
-                moeext._C._set_gpu_fused_router_variant(counter))
+                moeext._C._set_gpu_fused_router_variant(fused))
     try:
         yield
     finally:
@@ -656,15 +663,18 @@ def plain_variants(gemm, counter):
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
-@pytest.mark.parametrize("variants", [(1, 0), (0, 1), (1, 1)], ids=["gemm1", "count1", "both"])
+@pytest.mark.parametrize("variants", [(1, 0), (0, 1), (1, 1), (0, 2), (1, 2)],
+                         ids=["gemm1", "one-launch", "one-launch-gemm1", "one-launch-acq-rel",
+                              "one-launch-acq-rel-gemm1"])
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 @pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
 def test_variants_give_the_same_fused_router_on_cuda(preset, variants, pdl):
-    """The router GEMM's variant 1 (the weight asked of L2 before the grid wait) and the
-    completion count's (thread 0 counts with one acquire-release atomic) in the plain one-launch
-    kernel: the same bits as the current kernel for every token tile, with and without
-    programmatic dependent launch, back to back on a stream and replayed in a CUDA graph (the
-    counter must be back at zero after each launch)."""
+    """The router GEMM's variant 1 (never the weight asked of L2 before the grid wait, which
+    the current kernel does under programmatic dependent launch), and the one launch counting
+    its blocks either way (every thread fencing, or thread 0 with one acquire-release atomic):
+    the bits of the two kernels for every token tile, with and without programmatic dependent
+    launch, back to back on a stream and replayed in a CUDA graph (the counter must be back at
+    zero after each launch)."""
     p = PRESETS[preset]
     inputs = [make_inputs(t, 7168, preset, seed=t, device="cuda") for t in (1, 2, 3, 8, 13, 16)]
     inputs.append(make_inputs(5, 7168, preset, seed=5, device="cuda", bias_dtype=None))

@@ -1,8 +1,8 @@
 """The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
 the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
-for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, fused router count 1), launches
-with programmatic dependent launch, the orders a block's threads run in, and the routing
-property tests (test_grouped_topk.py's problems, drawn by hypothesis).
+for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, the fused router's one launch
+1-2), launches with programmatic dependent launch, the orders a block's threads run in, and the
+routing property tests (test_grouped_topk.py's problems, drawn by hypothesis).
 
 None of these may change a bit: every result here is compared with torch.equal against variant
 0 run forward without PDL, and that against the reference as the suite compares it. The
@@ -214,8 +214,9 @@ FUSED_CASES = [(preset, t) for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4
 @pytest.mark.parametrize("preset,num_tokens", FUSED_CASES)
 def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset, num_tokens):
     """SPEC section 7 on one device: the one launch gives the bits of router_gemm_gpu then
-    biased_grouped_topk_gpu, whichever block finishes last, in every variant; and the
-    completion counter it shares with the next launch is back at zero after each."""
+    biased_grouped_topk_gpu, whichever block finishes last, in both ways of counting and with
+    either GEMM variant; the completion counter it shares with the next launch is back at zero
+    after each. Fused router variant 0 leaves the call to the two kernels."""
     p = PRESETS[preset]
     k = p.op_kwargs()
     hidden, weight = _gemm_inputs(num_tokens, p.num_experts, 1032)
@@ -225,21 +226,28 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
     assert emu.router_gemm(hidden, weight, logits)
     expected = (*_route(emu, logits, bias, p), logits)
     counter = torch.zeros(1, dtype=torch.int32)
+
+    def outputs():
+        return (torch.empty(num_tokens, k["topk"]),
+                torch.empty(num_tokens, k["topk"], dtype=torch.int32),
+                torch.empty(num_tokens, p.num_experts))
+
+    def fused(got):
+        return emu.fused_router(hidden, weight, bias, *got, counter, k["num_expert_group"],
+                                k["topk_group"], k["topk"], k["renormalize"],
+                                k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
+                                None, None, None, None)
+
+    assert not fused(outputs()), "variant 0: the two kernels"
     for gemm in (0, 1):
-        for count in (0, 1):
+        for count in (1, 2):
             for order, code in ORDERS.items():
                 _configure(emu, order=code, gemm=gemm, fused=count, seed=gemm * 2 + count,
                            pdl=code == 1)
-                got = (torch.empty(num_tokens, k["topk"]),
-                       torch.empty(num_tokens, k["topk"], dtype=torch.int32),
-                       torch.empty(num_tokens, p.num_experts))
-                assert emu.fused_router(hidden, weight, bias, *got, counter,
-                                        k["num_expert_group"], k["topk_group"], k["topk"],
-                                        k["renormalize"], k["routed_scaling_factor"],
-                                        SCORING[k["scoring_func"]], 0, 1.0, None, None, None,
-                                        None), "one launch takes this call"
+                got = outputs()
+                assert fused(got), "one launch takes this call"
                 _assert_same_bits(got, expected,
-                                  f"GEMM variant {gemm}, count variant {count}, {order} order")
+                                  f"GEMM variant {gemm}, fused variant {count}, {order} order")
                 assert int(counter) == 0
     _configure(emu)
 

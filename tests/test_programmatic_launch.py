@@ -5,7 +5,8 @@ The setting (``moeext.set_programmatic_dependent_launch``) is tested everywhere.
 every kernel that can be launched with PDL runs both ways on the same inputs and must give the
 same bits, eagerly and in CUDA graphs captured with PDL on, including chains of dependent
 kernels back to back (router_gemm then biased_grouped_topk then routing_weights, fused_router
-twice in a row on one stream and completion counter) fed new inputs at every call, so that a
+twice in a row on one stream, as its two kernels and as its one launch with one completion
+counter) fed new inputs at every call, so that a
 kernel that touched memory before waiting for the previous one would read stale logits or
 corrupt the shared counter. A GPU without sm_90 code runs the same tests with plain launches.
 """
@@ -32,6 +33,17 @@ def pdl(enabled):
         yield
     finally:
         moeext.set_programmatic_dependent_launch(previous)
+
+
+@contextlib.contextmanager
+def fused_variant(variant):
+    """How fused_router calls run (moeext::gpu_fused_router_variant): 0 the two kernels, 1 the
+    one launch."""
+    previous = moeext._C._set_gpu_fused_router_variant(variant)
+    try:
+        yield
+    finally:
+        moeext._C._set_gpu_fused_router_variant(previous)
 
 
 def test_set_returns_the_previous_value_and_the_getter_follows():
@@ -234,9 +246,10 @@ def test_router_gemm_is_the_same_bits_both_ways(gpu, num_tokens, out_dtype):
 
 
 @gpu_only
+@pytest.mark.parametrize("variant", [0, 1], ids=["two-kernels", "one-launch"])
 @pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2", "nemotron-style"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 16])
-def test_fused_router_is_the_same_bits_both_ways(gpu, preset, num_tokens):
+def test_fused_router_is_the_same_bits_both_ways(gpu, preset, num_tokens, variant):
     p = PRESETS[preset]
     sets, bias = _gate(num_tokens, 7168, preset, num_tokens, gpu, calls=4)
 
@@ -244,7 +257,8 @@ def test_fused_router_is_the_same_bits_both_ways(gpu, preset, num_tokens):
         return [t for x, w in sets
                 for t in moeext.fused_router(x, w, bias, **p.op_kwargs(), return_logits=True)]
 
-    off, on = _both_ways(run)
+    with fused_variant(variant):
+        off, on = _both_ways(run)
     assert_same_bits(on, off)
 
 
@@ -302,12 +316,13 @@ def _capture(fn, device):
 
 
 @gpu_only
+@pytest.mark.parametrize("variant", [0, 1], ids=["two-kernels", "one-launch"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
-def test_a_graph_captured_with_pdl_replays_correctly(gpu, num_tokens):
+def test_a_graph_captured_with_pdl_replays_correctly(gpu, num_tokens, variant):
     """One graph captured with PDL on holds the dependent chain and fused_router twice in a
-    row (one completion counter for the capture, and the second launch's GEMM may start while
-    the first's last block still routes); each replay on new inputs must give the bits of the
-    same calls made eagerly with PDL off."""
+    row (as the one launch: one completion counter for the capture, and the second launch's
+    GEMM may start while the first's last block still routes); each replay on new inputs must
+    give the bits of the same calls made eagerly with PDL off."""
     p = PRESETS["deepseek-v3"]
     sets, bias = _gate(num_tokens, 7168, "deepseek-v3", num_tokens, gpu, calls=8)
     static = [(sets[0][0].clone(), sets[0][1].clone()), (sets[1][0].clone(), sets[1][1].clone())]
@@ -320,7 +335,7 @@ def test_a_graph_captured_with_pdl_replays_correctly(gpu, num_tokens):
         out += list(moeext.fused_router(x1, w0, bias, **p.op_kwargs(), return_logits=True))
         return out
 
-    with pdl(True):
+    with pdl(True), fused_variant(variant):
         graph, outputs = _capture(calls, gpu)
     for i in range(2, len(sets), 2):
         for (x, w), new in zip(static, (sets[i], sets[i + 1])):
@@ -336,10 +351,11 @@ def test_a_graph_captured_with_pdl_replays_correctly(gpu, num_tokens):
 @gpu_only
 def test_graphs_replayed_back_to_back(gpu):
     """Two graphs, each captured with PDL on, replayed alternately without a synchronisation
-    on one stream; their fused_router launches each have their capture's counter."""
+    on one stream; their fused_router launches (the one launch) each have their capture's
+    counter."""
     p = PRESETS["kimi-k2"]
     sets, bias = _gate(8, 7168, "kimi-k2", 2, gpu, calls=2)
-    with pdl(True):
+    with pdl(True), fused_variant(1):
         graphs = [_capture(lambda x=x, w=w: list(moeext.fused_router(x, w, bias,
                                                                      **p.op_kwargs())[:2]), gpu)
                   for x, w in sets]

@@ -33,9 +33,10 @@ Baselines, measured in the same run on the same inputs:
   <op> gemm variant N  router_gemm, and fused_router's one launch, with the current router
                        GEMM kernel: each variant (moeext::gpu_router_gemm_variant), checked bit
                        for bit first, in each launch mode
-  fused_router count variant N
-                       fused_router's one launch with the current completion count: each
-                       variant (moeext::gpu_fused_router_variant), likewise
+  fused_router variant N
+                       fused_router as it runs now (the two kernels): the one launch, counting
+                       its blocks with fences (1) or one acquire-release atomic (2)
+                       (moeext::gpu_fused_router_variant), likewise
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
                        torch.mm(..., out_dtype=float32) where this torch has it
@@ -334,7 +335,7 @@ def routing_options(table, quick, tokens=None):
 
 ROUTING_VARIANTS = [1, 2, 3, 4]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
-FUSED_ROUTER_VARIANTS = [1]  # moeext::gpu_fused_router_variant's, besides 0
+FUSED_ROUTER_VARIANTS = [1, 2]  # moeext::gpu_fused_router_variant's, besides 0
 
 
 @contextlib.contextmanager
@@ -474,23 +475,35 @@ def fused_router_call(bias, rest):
     return lambda xw: moeext.fused_router(*xw, bias, *rest)
 
 
+def one_launch_call(bias, rest):
+    """fused_router as its one launch (fused router variant 1), whatever the switch says."""
+    def call(xw):
+        previous = moeext._C._set_gpu_fused_router_variant(1)
+        try:
+            return moeext.fused_router(*xw, bias, *rest)
+        finally:
+            moeext._C._set_gpu_fused_router_variant(previous)
+    return call
+
+
 def router_gemm_variant_ab(table, quick, tokens=None):
     """The router GEMM's variants (moeext::gpu_router_gemm_variant) against the current kernel,
-    in router_gemm and in fused_router's one launch (variant 1 asks L2 for the weight before
-    the grid wait, which only PDL lets overlap the grid before)."""
+    in router_gemm and in fused_router's one launch (the current kernel asks L2 for the weight
+    before the grid wait where it launches with PDL, which lets that overlap the grid before;
+    variant 1 never does, so the two differ with PDL only)."""
     gate_variant_ab(table, quick, tokens, router_gemm_variant, ROUTER_GEMM_VARIANTS,
                     lambda bias, rest: {"router_gemm": lambda xw: moeext.router_gemm(*xw),
-                                        "fused_router": fused_router_call(bias, rest)},
+                                        "fused_router": one_launch_call(bias, rest)},
                     "gemm variant")
 
 
 def fused_router_variant_ab(table, quick, tokens=None):
-    """The fused router's completion-count variants (moeext::gpu_fused_router_variant) against
-    the current count, in its plain one-launch kernel (variant 1: thread 0 counts the block
-    with one acquire-release atomic, no fence by every thread)."""
+    """The fused router's one launch (moeext::gpu_fused_router_variant 1: every thread fences
+    before its block counts itself done; 2: thread 0 counts the block with one acquire-release
+    atomic) against the two kernels plain calls run now."""
     gate_variant_ab(table, quick, tokens, fused_router_variant, FUSED_ROUTER_VARIANTS,
                     lambda bias, rest: {"fused_router": fused_router_call(bias, rest)},
-                    "count variant")
+                    "variant")
 
 
 def router_gemm(table, quick, tokens=None, engines=None):

@@ -9,7 +9,12 @@ each engine's router GEMM and routing kernel, ``graph_us`` (N calls back to back
 graph, every call its own gate weight, so that the weights come from memory as a model's
 layers do), its smallest-kernel floor and its case lists. Rows:
 
-  fused           moeext.fused_router (one launch at these sizes)
+  fused           moeext.fused_router as calls run it (moeext::gpu_fused_router_variant 0: the
+                  two kernels, in one call)
+  one launch      the same with variant 1, the one-launch kernel, which these sizes take
+  moeext PDL      fused_router, router_gemm and biased_grouped_topk launched with programmatic
+                  dependent launch (where the device runs it), for the mode-for-mode rows
+                  against vLLM's GEMM and FlashInfer's routing, which launch with it
   moeext          router_gemm then biased_grouped_topk, captured back to back, and the sum of
                   the two timed alone
   peer pairs      every built peer router GEMM (vLLM, FlashInfer, cuBLAS) followed by every
@@ -128,7 +133,8 @@ def summary_lines(rows):
                          + f" ({len(ratio) - len(missed)} of {len(ratio)} rows met)")
         else:
             parts.append(f"{PAIR_RATIO_LIMIT}x the best pair: no pair timed")
-        unequal = [r["tokens"] for r in mine if r.get("fused_equal") is not True]
+        unequal = [r["tokens"] for r in mine
+                   if r.get("fused_equal") is not True or r.get("one_launch_equal") is not True]
         if unequal:
             parts.append("fused NOT equal to the two calls at T=" + ", ".join(map(str, unequal)))
         lines.append(f"- {preset}: " + "; ".join(parts))
@@ -145,12 +151,12 @@ def markdown(rows, env):
              "(back to back) at every T <= 16.", "",
              "Peers: " + ", ".join(f"{k}: {v}" for k, v in env.get("peers", {}).items()), "",
              "## Verdicts", ""] + summary_lines(rows)
-    head = ["case", "fused", "moeext 2 calls", "moeext sum", "best pair",
+    head = ["case", "fused", "one launch", "moeext 2 calls", "moeext sum", "best pair",
             "best pair, back to back", "best pair, sum", f"{REFERENCE_PAIR}, back to back",
             "fused / best", f"fused / {REFERENCE_PAIR}", f"<= {T1_LIMIT_US} us at T=1",
             f"<= {PAIR_RATIO_LIMIT}x best"]
     lines += ["", "## Fused router, moeext's two calls and the best pair (us)", "",
-              "| " + " | ".join(head) + " |", "|---|" + "---:|" * 3 + "---|" + "---:|" * 5
+              "| " + " | ".join(head) + " |", "|---|" + "---:|" * 4 + "---|" + "---:|" * 5
               + "---|---|"]
     for r in rows:
         best = r.get("best_pair")
@@ -158,8 +164,10 @@ def markdown(rows, env):
         ref = r["pairs"].get(REFERENCE_PAIR, {})
         ref_ratio = (r["fused_us"] / ref["graph_us"]
                      if r.get("fused_us") is not None and ref.get("graph_us") else None)
-        cells = [r["case"] + ("" if r.get("fused_equal") is True else " (fused MISMATCH)"),
-                 _fmt(r.get("fused_us")), _fmt(r.get("moeext_two_calls_us")),
+        equal = r.get("fused_equal") is True and r.get("one_launch_equal") is True
+        cells = [r["case"] + ("" if equal else " (fused MISMATCH)"),
+                 _fmt(r.get("fused_us")), _fmt(r.get("one_launch_us")),
+                 _fmt(r.get("moeext_two_calls_us")),
                  _fmt(r.get("moeext_sum_us")), best or "-", _fmt(bp.get("graph_us")),
                  _fmt(bp.get("sum_us")), _fmt(ref.get("graph_us")),
                  _fmt(r["verdict"]["ratio"]), _fmt(ref_ratio), _mark(r["verdict"]["t1_met"]),
@@ -188,6 +196,20 @@ def markdown(rows, env):
                 _fmt(p.get("gemm_us")), _fmt(p.get("routing_us")),
                 _fmt(p.get("rows_differing_ids"), "d"), _fmt(p.get("rows_differing_order"), "d"),
                 _fmt(p.get("max_weight_diff"), ".3g"), p.get("note", "")]) + " |")
+    pdl = [r for r in rows if r.get("pdl_fused_us") is not None]
+    if pdl:
+        lines += ["", "## moeext with PDL, mode for mode (us; vLLM's router GEMM and FlashInfer's "
+                  "routing launch with it)", "",
+                  "| case | fused | router_gemm | vllm GEMM | moeext / vllm | routing | "
+                  "flashinfer routing | moeext / flashinfer |", "|---|" + "---:|" * 7]
+        for r in pdl:
+            ref = r["pairs"].get(REFERENCE_PAIR, {})
+            gemm, routing = ref.get("gemm_us"), ref.get("routing_us")
+            lines.append("| " + " | ".join([
+                r["case"], _fmt(r["pdl_fused_us"]), _fmt(r["pdl_gemm_us"]), _fmt(gemm),
+                _fmt(r["pdl_gemm_us"] / gemm if gemm else None), _fmt(r["pdl_routing_us"]),
+                _fmt(routing), _fmt(r["pdl_routing_us"] / routing if routing else None)])
+                + " |")
     notes = [f"- {r['case']}: {n}" for r in rows for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:", ""] + notes
@@ -221,16 +243,29 @@ def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
     def two_calls(x, w, b):
         return moeext.biased_grouped_topk(moeext.router_gemm(x, w), b, *route)
 
+    def one_launch(x, w, b):
+        previous = moeext._C._set_gpu_fused_router_variant(1)
+        try:
+            return moeext.fused_router(x, w, b, *route)
+        finally:
+            moeext._C._set_gpu_fused_router_variant(previous)
+
+    def equal_to(results, refs):
+        return all(torch.equal(f[0], r[0]) and torch.equal(f[1], r[1]) and f[2] is None
+                   for f, r in zip(results, refs))
+
     refs = [two_calls(x, w, b) for x, w, b in sets]
-    fused_out = [moeext.fused_router(x, w, b, *route) for x, w, b in sets]
-    row["fused_equal"] = all(torch.equal(f[0], r[0]) and torch.equal(f[1], r[1])
-                             and f[2] is None for f, r in zip(fused_out, refs))
+    row["fused_equal"] = equal_to([moeext.fused_router(x, w, b, *route) for x, w, b in sets],
+                                  refs)
+    row["one_launch_equal"] = equal_to([one_launch(x, w, b) for x, w, b in sets], refs)
     ref = (torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs]))
     logits = [moeext.router_gemm(x, w) for x, w, _ in sets]
 
     fused = [lambda x=x, w=w, b=b: moeext.fused_router(x, w, b, *route) for x, w, b in sets]
     ours = [lambda x=x, w=w, b=b: two_calls(x, w, b) for x, w, b in sets]
     row["fused_us"] = harness.graph_us(fused, N_CALLS)
+    row["one_launch_us"] = harness.graph_us(
+        [lambda x=x, w=w, b=b: one_launch(x, w, b) for x, w, b in sets], N_CALLS)
     row["moeext_two_calls_us"] = harness.graph_us(ours, N_CALLS)
     row["moeext_gemm_us"] = harness.graph_us(
         [lambda x=x, w=w: moeext.router_gemm(x, w) for x, w, _ in sets], N_CALLS)
@@ -238,6 +273,17 @@ def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
         [lambda y=y, b=b: moeext.biased_grouped_topk(y, b, *route)
          for y, (_, _, b) in zip(logits, sets)], N_CALLS)
     row["moeext_sum_us"] = row["moeext_gemm_us"] + row["moeext_routing_us"]
+    if moeext._C.programmatic_dependent_launch_supported():
+        previous = moeext.set_programmatic_dependent_launch(True)
+        try:  # the mode is read at capture: graphs captured here keep it
+            row["pdl_fused_us"] = harness.graph_us(fused, N_CALLS)
+            row["pdl_gemm_us"] = harness.graph_us(
+                [lambda x=x, w=w: moeext.router_gemm(x, w) for x, w, _ in sets], N_CALLS)
+            row["pdl_routing_us"] = harness.graph_us(
+                [lambda y=y, b=b: moeext.biased_grouped_topk(y, b, *route)
+                 for y, (_, _, b) in zip(logits, sets)], N_CALLS)
+        finally:
+            moeext.set_programmatic_dependent_launch(previous)
     if tokens == 1:
         row["fused_eager_us"] = harness.eager_us(fused)
         row["moeext_two_calls_eager_us"] = harness.eager_us(ours)

@@ -10,7 +10,8 @@ report's kernels line up with the names).
   route-*   biased_grouped_topk, sigmoid, fp32 bias, bf16 logits (the warp kernel; *-v3: its
             routing variant 3, sorted lanes, set for the call: moeext::gpu_routing_variant)
   gemm-*    router_gemm, H = 7168, bf16 -> fp32 (the small-T kernel)
-  fused-*   fused_router, H = 7168 (the one-launch decode kernel)
+  fused-*   fused_router, H = 7168, as its one-launch decode kernel (fused router variant 1;
+            calls run the two kernels the gemm and route cases profile)
 
 What to read in the report: per kernel, the instructions executed per warp
 (``smsp__inst_executed``, divided by the tokens for the per-token cost at T = 16384), the
@@ -69,7 +70,14 @@ def case_call(torch, moeext, preset, op, num_tokens):
     w = (0.02 * torch.randn(preset.num_experts, HIDDEN, device="cuda", generator=g)).bfloat16()
     if op == "gemm":
         return lambda: moeext.router_gemm(x, w)
-    return lambda: moeext.fused_router(x, w, bias, *rest)
+
+    def one_launch():
+        previous = moeext._C._set_gpu_fused_router_variant(1)
+        try:
+            return moeext.fused_router(x, w, bias, *rest)
+        finally:
+            moeext._C._set_gpu_fused_router_variant(previous)
+    return one_launch
 
 
 def parse_cases(text):

@@ -50,8 +50,8 @@ struct FusedArgs {
 
 // Whether this block is the last of the grid to be done with its logits; then every other
 // block's logits are visible to all its threads. Every thread of the block calls it.
-// kCounterVariant (moeext::gpu_fused_router_variant) 0: every thread fences before the count,
-// and again in the last block after it; 1: a barrier, then thread 0 counts with one
+// kCounterVariant (moeext::gpu_fused_router_variant less one) 0: every thread fences before
+// the count, and again in the last block after it; 1: a barrier, then thread 0 counts with one
 // acquire-release atomic (gpu::fetch_add_acq_rel) and a barrier hands its acquire on.
 template <int kCounterVariant>
 __device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks) {
@@ -71,16 +71,17 @@ __device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks
 }
 
 // One instance per (tokens, warp width, experts per lane, bias dtype, options, and for plain
-// calls the router GEMM's variant, moeext::gpu_router_gemm_variant, and the completion
-// count's, moeext::gpu_fused_router_variant); the input is bfloat16 and the logits fp32.
+// calls whether the blocks prefetch their weight rows, prefetches_weight_rows, and the
+// completion count's variant, moeext::gpu_fused_router_variant 2); the input is bfloat16 and
+// the logits fp32.
 // Instances for a warp width other than the target's, or for a width and experts_per_lane
 // with no warp routing kernel, compile to an empty body.
-template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions, int kGemmVariant = 0,
+template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions, int kPrefetch = 0,
           int kCounterVariant = 0>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     fused_router_kernel(const FusedArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE && routes_in_one_launch(kWarpSize, V)) {
-    if constexpr (kGemmVariant == 1) {
+    if constexpr (kPrefetch == 1) {
       gpu::router_gemm::prefetch_weight_rows<kTokens, gpu::bf16>(
           args.gemm, int(gpu::grouped_topk::block_index()));
     }
@@ -100,16 +101,17 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
 
 using Kernel = void (*)(FusedArgs);
 
-// The variants a plain call runs (moeext/common.h): the router GEMM's and the count's.
+// What a plain call's instance does: prefetch its weight rows (1) or not, and how it counts
+// (kCounterVariant).
 struct PlainVariants {
-  int gemm;
+  int prefetch;
   int counter;
 };
 
 template <int kTokens, int kWarpSize, int V, typename BiasT>
 Kernel pick_options(bool options, PlainVariants plain) {
   if (options) return fused_router_kernel<kTokens, kWarpSize, V, BiasT, true>;
-  switch (plain.gemm * 2 + plain.counter) {
+  switch (plain.prefetch * 2 + plain.counter) {
     case 1: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 0, 1>;
     case 2: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1, 0>;
     case 3: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1, 1>;
@@ -222,10 +224,9 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
 
   const bool bias = r.correction_bias != nullptr;
   const bool options = r.options.any();
-  // Plain calls only; the router GEMM's variant 1 (prefetch_weight_rows) needs a hidden size.
-  const PlainVariants plain{
-      gpu_router_gemm_variant() == 1 && params.gemm.hidden_size > 0 ? 1 : 0,
-      gpu_fused_router_variant()};
+  // Plain calls only, as router_gemm's kernel decides the prefetch.
+  const PlainVariants plain{gpu::router_gemm::prefetches_weight_rows(params.gemm) ? 1 : 0,
+                            gpu_fused_router_variant() == 2 ? 1 : 0};
   const Kernel kernel =
       warp_size == 64
           ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options, plain)

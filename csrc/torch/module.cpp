@@ -127,9 +127,9 @@ PYBIND11_MODULE(_C, m) {
   def_variant_switch(
       m, "_set_gpu_fused_router_variant", &moeext::set_gpu_fused_router_variant,
       moeext::kGpuFusedRouterVariants,
-      "Developers' A/B switch: how the plain one-launch GPU fused router's blocks count\n"
-      "themselves done, 0 (the current way) or a variant of the same bits; returns the\n"
-      "previous one.");
+      "Developers' A/B switch: how GPU fused_router calls run, 0 (the current way: the two\n"
+      "kernels) or the one launch, 1 (blocks counted after fences) or 2 (counted with one\n"
+      "acquire-release atomic), the same bits; returns the previous one.");
   m.def("programmatic_dependent_launch_supported", [] {
 #if defined(MOEEXT_GPU_BACKEND)
     return moeext::gpu_programmatic_dependent_launch_supported();

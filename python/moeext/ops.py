@@ -369,12 +369,10 @@ def fused_router(
 
     The fp32 logits are :func:`router_gemm`'s, bit for bit, and are routed as
     :func:`biased_grouped_topk` routes them, so ids and weights equal the two calls' on the
-    same device. The logits stay inside the call unless ``return_logits``. On a CUDA device,
-    decode batches (up to 16 tokens, bfloat16 inputs, an fp32 bias or none, up to 512
-    experts) run as one kernel: the blocks computing the logits hand them to the last one to
-    finish, which routes the tokens. Other sizes run the two kernels, one after the other.
-    On the CPU the GEMM (the experts split over torch's threads) and then the routing run in
-    one call.
+    same device. The logits stay inside the call unless ``return_logits``. On a CUDA device
+    the two kernels run one after the other (a one-launch kernel for decode batches exists
+    for A/B timing and measured slower, docs/SPEC.md §7). On the CPU the GEMM (the experts
+    split over torch's threads) and then the routing run in one call.
 
     Args:
         hidden_states, weight: as for :func:`router_gemm` (a prepacked weight on the CPU).

@@ -166,7 +166,8 @@ bool router_gemm(const Tensor& hidden, const Tensor& weight, Tensor logits) {
   return true;
 }
 
-// False where the one-launch kernel does not take these params (the op runs the two kernels).
+// False where the call does not run as one launch (fused_router_gpu_takes: the variant set
+// asks for it and the kernel takes these params); the op then runs the two kernels.
 bool fused_router(const Tensor& hidden, const Tensor& weight, const optional<Tensor>& bias,
                   Tensor weights, Tensor ids, Tensor logits, Tensor counter, int64_t groups,
                   int64_t topk_group, int64_t topk, bool renormalize, double scale,
@@ -178,7 +179,7 @@ bool fused_router(const Tensor& hidden, const Tensor& weight, const optional<Ten
   p.routing = routing_params(logits, bias, weights, ids, groups, topk_group, topk, renormalize,
                              scale, scoring, shared, shared_weight, expert_map, counts, routed,
                              valid);
-  if (!moeext::fused_router_gpu_supported(p)) return false;
+  if (!moeext::fused_router_gpu_takes(p)) return false;
   p.completion_counter = reinterpret_cast<unsigned*>(counter.data_ptr<int32_t>());
   check(moeext::fused_router_gpu(p, nullptr), "fused_router_gpu");
   return true;

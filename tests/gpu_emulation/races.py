@@ -104,16 +104,22 @@ def fused_router(module, ops):
             x = torch.randn(num_tokens, 1032, generator=g).bfloat16()
             w = (0.05 * torch.randn(p.num_experts, 1032, generator=g)).bfloat16()
             bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)) if p.has_bias else None
+            # Fused router variants 1 and 2: the one launch, counting either way (0 runs the
+            # two kernels, which the checks above cover).
             for gemm in (0, 1):
-                for count in (0, 1):
-                    _configure(module, gemm=gemm, fused=count, order=gemm + count, pdl=count == 1)
+                for count in (1, 2):
+                    _configure(module, gemm=gemm, fused=count, order=gemm + count - 1,
+                               pdl=count == 2)
                     before = ops.launches
                     ops.fused_router(x, w, bias, **k)
                     assert ops.launches == before + 1
             options = _options(p.num_experts, num_tokens, k["topk"], torch.int32, torch.int32)
-            _configure(module)
+            _configure(module, fused=1)
+            before = ops.launches
             ops.fused_router(x, w, bias, **k, **options, return_logits=True)
-        print(f"fused router {name}: GEMM and count variants, options", flush=True)
+            assert ops.launches == before + 1
+        print(f"fused router {name}: the one launch, GEMM and count variants, options",
+              flush=True)
 
 
 def routing_weights(module, ops):

@@ -122,10 +122,12 @@ inline int set_gpu_routing_variant(int variant) {
 }
 
 // The variants of the small-T router GEMM kernel, and of the fused router's plain kernel that
-// computes its logits the same way (router_gemm_block.h, kVariant), on the same terms as the
-// routing variants above (bench_cuda.py --only router_gemm_variant):
-//   1: each block asks L2 for its weight rows before it waits for the grid before it, so that
-//      with PDL the weight streams from memory while that grid finishes (CUDA only).
+// computes its logits the same way (router_gemm_block.h), on the same terms as the routing
+// variants above (bench_cuda.py --only router_gemm_variant). The current kernel has each
+// block ask L2 for its weight rows before it waits for the grid before it where the launch is
+// programmatic (prefetches_weight_rows), so that the weight streams from memory while that
+// grid finishes (CUDA only):
+//   1: never (the kernel until 2026-11-30; with PDL the same bits, slower on an H200).
 constexpr int kGpuRouterGemmVariants = 2;
 inline int gpu_router_gemm_variant() {
   return detail::variant_flag<1>().load(std::memory_order_relaxed);
@@ -134,13 +136,17 @@ inline int set_gpu_router_gemm_variant(int variant) {  // as set_gpu_routing_var
   return detail::variant_flag<1>().exchange(variant, std::memory_order_relaxed);
 }
 
-// The variants of the fused router's plain one-launch kernel in how its blocks count
-// themselves done (fused_router.cu, kCounterVariant), on the same terms (bench_cuda.py --only
+// How a GPU fused_router call runs, on the same terms (bench_cuda.py --only
 // fused_router_variant); they combine with the router GEMM variant set:
-//   1: each block's threads meet at a barrier and thread 0 counts the block with one
-//      acquire-release atomic, where every thread fences (sequentially consistent) before the
-//      count and again in the last block after it.
-constexpr int kGpuFusedRouterVariants = 2;
+//   0: router_gemm_gpu's kernel and then biased_grouped_topk_gpu's, two launches (on an H200,
+//      2026-11-30, 0.70-1.01x the one launch's time at T <= 16, with or without PDL);
+//   1: the one launch (fused_router_gpu) where it takes the call: every thread fences
+//      (sequentially consistent) before its block counts itself done, and again in the last
+//      block after the count (fused_router.cu, kCounterVariant 0);
+//   2: the one launch, each block's threads meeting at a barrier and thread 0 counting the
+//      block with one acquire-release atomic (kCounterVariant 1; plain calls only, a call
+//      with options counts as 1 does).
+constexpr int kGpuFusedRouterVariants = 3;
 inline int gpu_fused_router_variant() {
   return detail::variant_flag<2>().load(std::memory_order_relaxed);
 }

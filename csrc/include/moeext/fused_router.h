@@ -1,4 +1,5 @@
 // Fused router (SPEC.md section 7): the router GEMM and the routing in one launch; launcher API.
+// (Calls run it only while moeext::gpu_fused_router_variant asks for it: fused_router_gpu_takes.)
 #pragma once
 
 #include "moeext/common.h"
@@ -25,10 +26,18 @@ struct FusedRouterParams {
 // and then biased_grouped_topk_gpu.
 bool fused_router_gpu_supported(const FusedRouterParams& params);
 
+// Whether a call runs as one launch: gpu_fused_router_variant() asks for it (1 or 2; 0 runs
+// the two kernels) and fused_router_gpu_supported(params).
+inline bool fused_router_gpu_takes(const FusedRouterParams& params) {
+  return gpu_fused_router_variant() != 0 && fused_router_gpu_supported(params);
+}
+
 // The routing of params.routing, bit for bit as biased_grouped_topk_gpu writes it from the
 // logits router_gemm_gpu writes: every block computes a slice of the experts' logits into
 // params.gemm.logits, and the last block to finish (params.completion_counter) routes every
-// token. Needs fused_router_gpu_supported(params) and a counter.
+// token. Needs fused_router_gpu_supported(params) and a counter; a plain call counts as
+// gpu_fused_router_variant() 2 says, any other as 1 (whatever the variant: tests launch it
+// directly).
 GpuError fused_router_gpu(const FusedRouterParams& params, void* stream);
 
 // A completion counter for fused_router_gpu on `stream` of the current device: the same one

@@ -36,8 +36,9 @@ void launch(Cpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
 }
 
 #if defined(MOEEXT_GPU_BACKEND)
-// Decode sizes as one kernel (fused_router_gpu_supported); the rest as router_gemm and
-// biased_grouped_topk run them, one after the other on the stream.
+// The two kernels router_gemm and biased_grouped_topk run, one after the other on the
+// stream; decode sizes as one kernel while the fused router variant asks for it
+// (fused_router_gpu_takes).
 void launch(Gpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
             const at::Tensor& weight, at::Tensor& logits, const char* op) {
   const char* limit = biased_grouped_topk_gpu_limit(p.routing);
@@ -45,7 +46,7 @@ void launch(Gpu, const FusedRouterParams& p, const at::Tensor& hidden_states,
   if (p.gemm.num_tokens == 0) return;
   const c10::DeviceGuard guard(hidden_states.device());
   void* stream = Gpu::stream(hidden_states);
-  if (fused_router_gpu_supported(p)) {
+  if (fused_router_gpu_takes(p)) {
     FusedRouterParams one_launch = p;
     one_launch.completion_counter = fused_router_gpu_counter(stream);
     if (one_launch.completion_counter != nullptr) {
