@@ -35,18 +35,23 @@ def _gemm_cases(quick):
 HARNESS = SimpleNamespace(ROUTING=ROUTING, gemm_cases=_gemm_cases)
 
 
-def _row(preset, tokens, fused_us, pairs, fused_equal=True):
+def _row(preset, tokens, fused_us, pairs, fused_equal=True, one_launch_equal=True, pdl=None):
     best = bench.best_pair(pairs)
     best_us = pairs[best]["graph_us"] if best else None
-    return {"preset": preset, "tokens": tokens, "case": f"{preset} H=7168 T={tokens}",
-            "fused_us": fused_us, "moeext_two_calls_us": fused_us + 1.0,
-            "moeext_sum_us": fused_us + 2.0, "fused_equal": fused_equal, "pairs": pairs,
-            "best_pair": best, "verdict": bench.verdicts(tokens, fused_us, best_us), "notes": []}
+    row = {"preset": preset, "tokens": tokens, "case": f"{preset} H=7168 T={tokens}",
+           "fused_us": fused_us, "one_launch_us": fused_us + 0.5,
+           "moeext_two_calls_us": fused_us + 1.0, "moeext_sum_us": fused_us + 2.0,
+           "fused_equal": fused_equal, "one_launch_equal": one_launch_equal, "pairs": pairs,
+           "best_pair": best, "verdict": bench.verdicts(tokens, fused_us, best_us), "notes": []}
+    if pdl is not None:  # fused, GEMM, routing with PDL
+        row["pdl_fused_us"], row["pdl_gemm_us"], row["pdl_routing_us"] = pdl
+    return row
 
 
-def _pair(graph_us, sum_us=None):
-    return {"graph_us": graph_us, "sum_us": sum_us, "rows_differing_ids": 0,
-            "rows_differing_order": 0, "max_weight_diff": 0.0, "note": ""}
+def _pair(graph_us, sum_us=None, gemm_us=None, routing_us=None):
+    return {"graph_us": graph_us, "sum_us": sum_us, "gemm_us": gemm_us, "routing_us": routing_us,
+            "rows_differing_ids": 0, "rows_differing_order": 0, "max_weight_diff": 0.0,
+            "note": ""}
 
 
 def test_the_cases_are_the_harness_router_gemm_token_counts_per_preset():
@@ -79,10 +84,12 @@ def test_verdicts_at_and_around_the_limits():
 
 
 def test_the_report_marks_each_row_and_sums_up_each_preset():
-    rows = [_row("deepseek-v3", 1, 2.5, {"vllm+flashinfer": _pair(4.0, 4.4)}),
+    rows = [_row("deepseek-v3", 1, 2.5, {"vllm+flashinfer": _pair(4.0, 4.4, 2.0, 2.4)},
+                 pdl=(2.2, 1.0, 1.2)),
             _row("deepseek-v3", 2, 3.2, {"vllm+flashinfer": _pair(4.0, 4.4),
                                          "cublas+vllm": _pair(4.5)}),
-            _row("kimi-k2", 1, 3.5, {"vllm+vllm": _pair(4.0)}, fused_equal=False)]
+            _row("kimi-k2", 1, 3.5, {"vllm+vllm": _pair(4.0)}, fused_equal=False),
+            _row("kimi-k2", 2, 3.0, {"vllm+vllm": _pair(4.0)}, one_launch_equal=False)]
     text = bench.markdown(rows, {"device": "NVIDIA H200", "torch": "2.11", "cuda": "13.0",
                                  "floor_us": 0.83, "peers": {"peer_vllm_topk": "loaded"}})
     lines = text.splitlines()
@@ -93,10 +100,15 @@ def test_the_report_marks_each_row_and_sums_up_each_preset():
     assert "fused NOT equal to the two calls at T=1" in kimi
     row = next(line for line in lines if line.startswith("| deepseek-v3 H=7168 T=2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    # case, fused, 2 calls, sum, best pair, its time, its sum, reference, ratios, verdicts
-    assert cells == ["deepseek-v3 H=7168 T=2", "3.20", "4.20", "5.20", "vllm+flashinfer",
+    # case, fused, one launch, 2 calls, sum, best pair, its time, its sum, reference, ratios,
+    # verdicts
+    assert cells == ["deepseek-v3 H=7168 T=2", "3.20", "3.70", "4.20", "5.20", "vllm+flashinfer",
                      "4.00", "4.40", "4.00", "0.80", "0.80", "-", "**missed**"]
     assert any(line.startswith("| kimi-k2 H=7168 T=1 (fused MISMATCH) |") for line in lines)
+    assert any(line.startswith("| kimi-k2 H=7168 T=2 (fused MISMATCH) |") for line in lines)
+    # The PDL rows, for the rows that have them: moeext against the reference pair's kernels.
+    pdl = [line for line in lines if line.startswith("| deepseek-v3 H=7168 T=1 | 2.20 |")]
+    assert pdl == ["| deepseek-v3 H=7168 T=1 | 2.20 | 1.00 | 2.00 | 0.50 | 1.20 | 2.40 | 0.50 |"]
     # Every pair has its own row in the pairs' table.
     assert sum(line.startswith("| deepseek-v3 H=7168 T=2 | ") for line in lines) == 3
 
