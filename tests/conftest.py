@@ -78,6 +78,17 @@ CPU_ISAS = moeext.build_info()["cpu_isas_compiled"]
 
 
 @contextlib.contextmanager
+def switched(setter, value):
+    """The block run with a process-wide setting that ``setter`` sets and whose previous value
+    it returns (moeext.set_programmatic_dependent_launch, moeext._C's A/B switches)."""
+    previous = setter(value)
+    try:
+        yield
+    finally:
+        setter(previous)
+
+
+@contextlib.contextmanager
 def forced_cpu_isa(isa):
     """Runs the block on one CPU path; skips the test if this CPU cannot run it."""
     if isa not in moeext.build_info()["cpu_isas_available"]:

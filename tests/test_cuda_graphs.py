@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import moeext
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, switched
 from moeext import reference
 from moeext.presets import PRESETS
 from routing_check import assert_routing_matches, assert_same_bits
@@ -285,13 +285,10 @@ class FusedRouter:
                     routed_experts=t["record"], num_valid_tokens=t["valid"])
 
     def run(self, t):
-        previous = moeext._C._set_gpu_fused_router_variant(self.fused_variant)
-        try:
+        with switched(moeext._C._set_gpu_fused_router_variant, self.fused_variant):
             return moeext.fused_router(t["hidden"], t["weight"], t["bias"],
                                        **self.preset.op_kwargs(), **self._options(t),
                                        return_logits=True)
-        finally:
-            moeext._C._set_gpu_fused_router_variant(previous)
 
     def check(self, new, t, outputs):
         expected_buffers = {name: new[name].to(t["hidden"].device) for name in new}

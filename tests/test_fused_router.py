@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moeext
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, switched
 from moeext import reference
 from moeext.presets import PRESETS
 from routing_check import assert_routing_matches
@@ -653,13 +653,9 @@ def test_out_form_in_a_cuda_graph(fused_variant):
 def plain_variants(gemm, fused):
     """moeext._C's A/B switches of the router GEMM and of how fused_router runs (0: the two
     kernels; 1, 2: the one launch), set for the block."""
-    previous = (moeext._C._set_gpu_router_gemm_variant(gemm),
-                moeext._C._set_gpu_fused_router_variant(fused))
-    try:
+    with (switched(moeext._C._set_gpu_router_gemm_variant, gemm),
+          switched(moeext._C._set_gpu_fused_router_variant, fused)):
         yield
-    finally:
-        moeext._C._set_gpu_router_gemm_variant(previous[0])
-        moeext._C._set_gpu_fused_router_variant(previous[1])
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])

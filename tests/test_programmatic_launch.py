@@ -11,7 +11,6 @@ kernel that touched memory before waiting for the previous one would read stale 
 corrupt the shared counter. A GPU without sm_90 code runs the same tests with plain launches.
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -20,30 +19,20 @@ import pytest
 import torch
 
 import moeext
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, switched
 from moeext.presets import PRESETS
 
 # ---- The setting ---------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def pdl(enabled):
-    previous = moeext.set_programmatic_dependent_launch(enabled)
-    try:
-        yield
-    finally:
-        moeext.set_programmatic_dependent_launch(previous)
+    return switched(moeext.set_programmatic_dependent_launch, enabled)
 
 
-@contextlib.contextmanager
 def fused_variant(variant):
     """How fused_router calls run (moeext::gpu_fused_router_variant): 0 the two kernels, 1 the
     one launch."""
-    previous = moeext._C._set_gpu_fused_router_variant(variant)
-    try:
-        yield
-    finally:
-        moeext._C._set_gpu_fused_router_variant(previous)
+    return switched(moeext._C._set_gpu_fused_router_variant, variant)
 
 
 def test_set_returns_the_previous_value_and_the_getter_follows():

@@ -1,6 +1,5 @@
 """moeext.router_gemm against the fp64 reference (SPEC.md section 2)."""
 
-import contextlib
 import math
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import moeext
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, switched
 from moeext import reference
 
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -531,13 +530,8 @@ def test_direct_call_errors_are_the_ops():
 
 # ---- The router GEMM's variants (moeext._C._set_gpu_router_gemm_variant) ---------------------
 
-@contextlib.contextmanager
 def router_gemm_variant(variant):
-    previous = moeext._C._set_gpu_router_gemm_variant(variant)
-    try:
-        yield
-    finally:
-        moeext._C._set_gpu_router_gemm_variant(previous)
+    return switched(moeext._C._set_gpu_router_gemm_variant, variant)
 
 
 @pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(

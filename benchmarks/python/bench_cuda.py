@@ -478,11 +478,8 @@ def fused_router_call(bias, rest):
 def one_launch_call(bias, rest):
     """fused_router as its one launch (fused router variant 1), whatever the switch says."""
     def call(xw):
-        previous = moeext._C._set_gpu_fused_router_variant(1)
-        try:
+        with fused_router_variant(1):
             return moeext.fused_router(*xw, bias, *rest)
-        finally:
-            moeext._C._set_gpu_fused_router_variant(previous)
     return call
 
 

@@ -45,14 +45,14 @@ WARMUP_CALLS = 3
 RANGE = "moeext-profile"
 
 
-def with_routing_variant(moeext, variant, call):
-    """call, launched while the routing warp kernel's variant ``variant`` is set."""
+def with_switch(setter, value, call):
+    """call, launched while one of moeext._C's A/B switches (``setter``) is set to ``value``."""
     def launch():
-        previous = moeext._C._set_gpu_routing_variant(variant)
+        previous = setter(value)
         try:
             return call()
         finally:
-            moeext._C._set_gpu_routing_variant(previous)
+            setter(previous)
     return launch
 
 
@@ -70,14 +70,8 @@ def case_call(torch, moeext, preset, op, num_tokens):
     w = (0.02 * torch.randn(preset.num_experts, HIDDEN, device="cuda", generator=g)).bfloat16()
     if op == "gemm":
         return lambda: moeext.router_gemm(x, w)
-
-    def one_launch():
-        previous = moeext._C._set_gpu_fused_router_variant(1)
-        try:
-            return moeext.fused_router(x, w, bias, *rest)
-        finally:
-            moeext._C._set_gpu_fused_router_variant(previous)
-    return one_launch
+    return with_switch(moeext._C._set_gpu_fused_router_variant, 1,
+                       lambda: moeext.fused_router(x, w, bias, *rest))
 
 
 def parse_cases(text):
@@ -110,8 +104,8 @@ def main(argv=None):
         return 2
     for name in names:
         op, preset, tokens, variant = CASES[name]
-        call = with_routing_variant(moeext, variant,
-                                    case_call(torch, moeext, PRESETS[preset], op, tokens))
+        call = with_switch(moeext._C._set_gpu_routing_variant, variant,
+                           case_call(torch, moeext, PRESETS[preset], op, tokens))
         for _ in range(WARMUP_CALLS):
             call()
         torch.cuda.synchronize()
