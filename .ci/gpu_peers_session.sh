@@ -1,39 +1,40 @@
 #!/usr/bin/env bash
 # A lent GPU machine (an H200: 15 minutes of device time a task, start-up and idle time
 # counted, at most 10 minutes a call) in two calls, each step time-boxed so that a call
-# returns with what it got:
-#   PART=1 (default), about 9.5 minutes:
-#     1. .gpu-peers/device_run.sh without its tests: moeext built in place for this GPU (175 s
-#        on an H200's 16 cores), the engines' kernels built from .peer/ beside it, their
-#        comparison (bench_peers.py, --quick unless BENCH_ARGS says otherwise);
-#     2. moeext's GPU tests but the compile and export ones, 14 workers (about 130 s);
-#     3. benchmarks/python/bench_fused_router_peers.py: fused_router (the two kernels and the
-#        one launch) against every peer router GEMM + routing pair, with issue #53's verdicts;
-#     4. benchmarks/python/bench_cuda.py --quick: the routing warp kernel's, the router GEMM's
-#        and the fused router's variants against the current kernels (bit for bit first, a
-#        box of their own, the last two in both launch modes);
-#     5. bench_cuda.py --quick: the routing options' overhead, the fused router's two forms,
-#        routing, moeext with PDL off and on;
-#     6. the decode ops' GPU tests again with programmatic dependent launch on
-#        (MOEEXT_ENABLE_PDL=1), 14 workers.
+# returns with what it got. STEPS names the steps a part runs (its default in brackets):
+#   PART=1 (default), about 8 minutes:
+#     .gpu-peers/device_run.sh without its tests, always: moeext built in place for this GPU
+#       (175 s on an H200's 16 cores), the engines' kernels built from .peer/ beside it, their
+#       comparison (bench_peers.py, --quick unless BENCH_ARGS says otherwise);
+#     [variants] benchmarks/python/bench_cuda.py --quick: the kernels' variants against the
+#       current kernels, bit for bit first (VARIANT_SUITES: routing_variant and routing_anatomy
+#       unless it names others, e.g. router_gemm_variant,fused_router_variant);
+#     [tests] moeext's GPU tests but the compile and export ones, 14 workers (about 150 s);
+#     fused: benchmarks/python/bench_fused_router_peers.py, fused_router (the two kernels and
+#       the one launch) against every peer router GEMM + routing pair, with issue #53's verdicts;
+#     bench: bench_cuda.py --quick, the routing options' overhead, the fused router's two
+#       forms, routing, moeext with PDL off and on.
 #   PART=2, on the machine still warm from part 1 (its build stays there; a fresh machine
 #   builds again, 3 minutes of the call), about 5 minutes:
-#     7. the compile and export GPU tests;
-#     8. benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of the warp
-#        operations the routing kernel's argmax rounds are made of, and of a round itself;
-#     9. the AOTInductor package test's child (tests/test_compile.py) alone under gdb, for the
-#        native stack of the SIGSEGV its loader died with on an H200 in 2026-11-28 (python -X
-#        faulthandler where gdb is missing or may not trace);
-#    10. Nsight Compute on the decode kernels (benchmarks/python/profile_cuda.py): instructions
-#        per warp, issue-slot use, stall reasons, occupancy.
+#     [pdl] the GPU tests with programmatic dependent launch on (MOEEXT_ENABLE_PDL=1):
+#       test_programmatic_launch.py, or the PDL_FILES named;
+#     [compile] the compile and export GPU tests;
+#     warpops: benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of
+#       the warp operations the routing kernel's argmax rounds are made of, and of a round;
+#     [aoti] the AOTInductor package test's child (tests/test_compile.py) alone under gdb, for
+#       the native stack of the SIGSEGV its loader died with on an H200 in 2026-11-28 (python
+#       -X faulthandler where gdb is missing or may not trace);
+#     [ncu] Nsight Compute on the decode kernels (benchmarks/python/profile_cuda.py, the
+#       PROFILE_CASES named or all): instructions per warp, issue-slot use, stall reasons,
+#       occupancy.
 # $OUT brings back at most 8 files, so every log and table is packed into one archive,
 # session-part<N>.tgz (the Nsight Compute report itself is too large to come back; its pages
 # are in the archive), and the tables that decide things are printed as well.
 # It copies nothing: .gpu-peers/ (a copy of ../shared/gpu-peers) and .peer/ (the engines'
 # files, PEERS.md) must be in the checkout root and carried to the machine, on every call.
 #
-#   DEVICE_RUN_S=230 TESTS_S=140 FUSED_S=60 VARIANT_S=55 CUDA_BENCH_S=30 PDL_S=45    part 1
-#   COMPILE_S=120 WARP_OPS_S=25 AOTI_S=90 PROFILE_S=40                               part 2
+#   DEVICE_RUN_S=230 VARIANT_S=75 TESTS_S=160 FUSED_S=60 CUDA_BENCH_S=30              part 1
+#   PDL_S=45 COMPILE_S=120 WARP_OPS_S=25 AOTI_S=90 PROFILE_S=40                       part 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -79,44 +80,64 @@ sys.exit('cuda' not in moeext.build_info()['backends'])" 2> /dev/null; then
   sed -n '/^| case/,/^$/p' "$OUT/device-run.log" | cut -c1-150 | head -40
 fi
 
-if [ "$PART" = 1 ]; then
-  gpu_tests pytest-gpu "${TESTS_S:-140}" "cuda and not compile and not export"
+# Whether step $1 is in this part's STEPS (each part's default below).
+wants() {
+  case " $STEPS " in *" $1 "*) return 0 ;; esac
+  return 1
+}
 
-  timeout -k 10 "${FUSED_S:-60}" "$PY" benchmarks/python/bench_fused_router_peers.py \
-    --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
-  el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
-  if [ -f "$OUT/fused_router_peers.md" ]; then
-    sed -n '/^## Verdicts/,/^## Every pair/p' "$OUT/fused_router_peers.md" | head -30
-  else
-    tail -25 "$OUT/fused-router-peers.log"
+if [ "$PART" = 1 ]; then
+  STEPS="${STEPS-variants tests}"
+  # The kernels' variants against the current ones first, in a box of their own: which ones
+  # land is decided by these rows. Then where a decode token's routing time goes.
+  if wants variants; then
+    timeout -k 10 "${VARIANT_S:-75}" "$PY" benchmarks/python/bench_cuda.py --quick \
+      --no-engines --only "${VARIANT_SUITES:-routing_variant,routing_anatomy}" \
+      > "$OUT/routing-variants.log" 2>&1
+    el "bench_cuda.py --only ${VARIANT_SUITES:-routing_variant,routing_anatomy}: exit $? \
+(routing-variants.log)"
+    grep -E "^(routing|router_gemm|fused_router) .*(variant|anatomy)" \
+      "$OUT/routing-variants.log" | cut -c1-170 | head -88 || tail -10 "$OUT/routing-variants.log"
   fi
 
-  # The kernels' variants against the current ones first, in a box of their own: which ones
-  # land is decided by these rows.
-  timeout -k 10 "${VARIANT_S:-55}" "$PY" benchmarks/python/bench_cuda.py --quick --no-engines \
-    --only routing_variant,router_gemm_variant,fused_router_variant \
-    > "$OUT/routing-variants.log" 2>&1
-  el "bench_cuda.py --only *_variant: exit $? (routing-variants.log)"
-  grep -E "^(routing|router_gemm|fused_router) .*variant" "$OUT/routing-variants.log" \
-    | cut -c1-170 | head -88 || tail -10 "$OUT/routing-variants.log"
+  wants tests && gpu_tests pytest-gpu "${TESTS_S:-160}" "cuda and not compile and not export"
 
-  timeout -k 10 "${CUDA_BENCH_S:-30}" "$PY" benchmarks/python/bench_cuda.py --quick --markdown \
-    --only routing_options,fused_router,grouped_topk > "$OUT/bench-cuda-quick.log" 2>&1
-  el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
-  grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' "$OUT/bench-cuda-quick.log" \
-    | cut -c1-160 | head -60 || tail -15 "$OUT/bench-cuda-quick.log"
+  if wants fused; then
+    timeout -k 10 "${FUSED_S:-60}" "$PY" benchmarks/python/bench_fused_router_peers.py \
+      --peers .gpu-peers --moeext python --out "$OUT" > "$OUT/fused-router-peers.log" 2>&1
+    el "bench_fused_router_peers.py: exit $? (fused_router_peers.md, .json)"
+    if [ -f "$OUT/fused_router_peers.md" ]; then
+      sed -n '/^## Verdicts/,/^## Every pair/p' "$OUT/fused_router_peers.md" | head -30
+    else
+      tail -25 "$OUT/fused-router-peers.log"
+    fi
+  fi
 
-  # PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
-  # (test_programmatic_launch.py says whether it took effect on this device).
-  MOEEXT_ENABLE_PDL=1 gpu_tests pdl-tests "${PDL_S:-45}" "(cuda or programmatic) and not variant" \
-    tests/test_programmatic_launch.py tests/test_fused_router.py tests/test_grouped_topk.py \
-    tests/test_router_gemm.py tests/test_routing_options.py tests/test_cuda_graphs.py
+  if wants bench; then
+    timeout -k 10 "${CUDA_BENCH_S:-30}" "$PY" benchmarks/python/bench_cuda.py --quick \
+      --markdown --only routing_options,fused_router,grouped_topk \
+      > "$OUT/bench-cuda-quick.log" 2>&1
+    el "bench_cuda.py --quick: exit $? (bench-cuda-quick.log)"
+    grep -q "^| op" "$OUT/bench-cuda-quick.log" && sed -n '/^| op/,$p' \
+      "$OUT/bench-cuda-quick.log" | cut -c1-160 | head -60 || tail -15 "$OUT/bench-cuda-quick.log"
+  fi
 else
-  gpu_tests pytest-gpu-compile "${COMPILE_S:-120}" "cuda and (compile or export)"
+  STEPS="${STEPS-pdl compile aoti ncu}"
+  # PDL on: the same bits, eagerly, in graphs captured with it and under torch.compile
+  # (test_programmatic_launch.py says whether it took effect on this device); PDL_FILES widens
+  # it to the decode ops' own tests (about 6 minutes).
+  # shellcheck disable=SC2086
+  wants pdl && MOEEXT_ENABLE_PDL=1 gpu_tests pdl-tests "${PDL_S:-45}" \
+    "(cuda or programmatic) and not variant" ${PDL_FILES:-tests/test_programmatic_launch.py}
+
+  wants compile && gpu_tests pytest-gpu-compile "${COMPILE_S:-120}" \
+    "cuda and (compile or export)"
 
   # The warp operations' own costs, in the multiprocessor's cycles (nvcc for this GPU's
   # architecture, as torch reports it; nvcc's own detection where torch cannot say).
-  if command -v nvcc > /dev/null; then
+  if ! wants warpops; then
+    :
+  elif command -v nvcc > /dev/null; then
     arch="$("$PY" -c 'import torch; print("sm_%d%d" % torch.cuda.get_device_capability())' \
       2>/dev/null || echo native)"
     timeout -k 5 "${WARP_OPS_S:-25}" bash -c "nvcc -O3 -std=c++17 -arch=$arch -Icsrc/include \
@@ -133,55 +154,60 @@ else
   # cache of its own so that no graph from another build is served to it. gdb prints the
   # native stack where the signal stops it; `continue` then hands the signal to faulthandler,
   # which prints the Python one.
-  aoti="$(mktemp -d)"
-  export TORCHINDUCTOR_CACHE_DIR="$aoti/inductor-cache"
-  child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_compile; \
-test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
-  traced=0
-  if command -v gdb > /dev/null; then
-    timeout -k 10 "${AOTI_S:-90}" gdb -q -batch -ex "set pagination off" \
-      -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
-      --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
-      > "$OUT/aoti-gdb.log" 2>&1
-    el "AOTInductor child under gdb: exit $? (aoti-gdb.log)"
-    # gdb starts nothing where the container denies ptrace (or it was handed a wrapper script,
-    # as a pyenv shim is, hence sys.executable above).
-    grep -qE "ptrace|Operation not permitted|During startup program exited|No executable file" \
-      "$OUT/aoti-gdb.log" || traced=1
-    grep -E "AOTI child: ok|received signal|^#[0-9]+ |exited (normally|with code)|rror|^  File " \
-      "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
+  if wants aoti; then
+    aoti="$(mktemp -d)"
+    export TORCHINDUCTOR_CACHE_DIR="$aoti/inductor-cache"
+    child="import sys; sys.path[:0] = ['$root/python', '$root/tests']; import test_compile; \
+  test_compile._aot_inductor_package_check('cuda', '$aoti/step.pt2'); print('AOTI child: ok')"
+    traced=0
+    if command -v gdb > /dev/null; then
+      timeout -k 10 "${AOTI_S:-90}" gdb -q -batch -ex "set pagination off" \
+        -ex "handle SIGPIPE nostop noprint pass" -ex run -ex bt -ex continue \
+        --args "$("$PY" -c 'import sys; print(sys.executable)')" -X faulthandler -c "$child" \
+        > "$OUT/aoti-gdb.log" 2>&1
+      el "AOTInductor child under gdb: exit $? (aoti-gdb.log)"
+      # gdb starts nothing where the container denies ptrace (or it was handed a wrapper script,
+      # as a pyenv shim is, hence sys.executable above).
+      grep -qE "ptrace|Operation not permitted|During startup program exited|No executable file" \
+        "$OUT/aoti-gdb.log" || traced=1
+      grep -E "AOTI child: ok|received signal|^#[0-9]+ |exited (normally|with code)|rror|^  File " \
+        "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
+    fi
+    if [ "$traced" = 0 ]; then
+      timeout -k 10 "${AOTI_S:-90}" "$PY" -X faulthandler -c "$child" \
+        > "$OUT/aoti-faulthandler.log" 2>&1
+      el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
+      tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
+    fi
+    rm -rf "$aoti"
   fi
-  if [ "$traced" = 0 ]; then
-    timeout -k 10 "${AOTI_S:-90}" "$PY" -X faulthandler -c "$child" \
-      > "$OUT/aoti-faulthandler.log" 2>&1
-    el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
-    tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
-  fi
-  rm -rf "$aoti"
 
   # Nsight Compute: ncu on the PATH, or where the image installs it. The calls inside the
   # script's NVTX ranges only; the clocks are left alone (--clock-control none).
-  NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu \
-    2>/dev/null | head -1)"
-  if [ -n "$NCU" ]; then
-    timeout -k 10 "${PROFILE_S:-40}" "$NCU" --clock-control none --nvtx \
-      --nvtx-include moeext-profile/ --section SpeedOfLight --section LaunchStats \
-      --section Occupancy --section SchedulerStats --section WarpStateStats \
-      --section InstructionStats --export "$OUT/decode-kernels" --force-overwrite \
-      "$PY" benchmarks/python/profile_cuda.py > "$OUT/ncu.log" 2>&1
-    el "ncu on the decode kernels: exit $? (ncu.log, decode-kernels.ncu-rep)"
-    if [ -f "$OUT/decode-kernels.ncu-rep" ]; then
-      timeout 6 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page raw --csv \
-        > "$OUT/ncu-raw.csv" 2>&1
-      timeout 6 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page details \
-        > "$OUT/ncu-details.txt" 2>&1
-      grep -E "^  [a-z_].*\(|Duration|Executed Instructions  |Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Block Size|Grid Size" \
-        "$OUT/ncu-details.txt" | cut -c1-160 | head -60
+  if wants ncu; then
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu \
+      2>/dev/null | head -1)"
+    if [ -n "$NCU" ]; then
+      timeout -k 10 "${PROFILE_S:-40}" "$NCU" --clock-control none --nvtx \
+        --nvtx-include moeext-profile/ --section SpeedOfLight --section LaunchStats \
+        --section Occupancy --section SchedulerStats --section WarpStateStats \
+        --section InstructionStats --export "$OUT/decode-kernels" --force-overwrite \
+        "$PY" benchmarks/python/profile_cuda.py ${PROFILE_CASES:+--cases "$PROFILE_CASES"} \
+        > "$OUT/ncu.log" 2>&1
+      el "ncu on the decode kernels: exit $? (ncu.log, decode-kernels.ncu-rep)"
+      if [ -f "$OUT/decode-kernels.ncu-rep" ]; then
+        timeout 6 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page raw --csv \
+          > "$OUT/ncu-raw.csv" 2>&1
+        timeout 6 "$NCU" --import "$OUT/decode-kernels.ncu-rep" --page details \
+          > "$OUT/ncu-details.txt" 2>&1
+        grep -E "^  [a-z_].*\(|Duration|Executed Instructions  |Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Block Size|Grid Size" \
+          "$OUT/ncu-details.txt" | cut -c1-160 | head -60
+      else
+        grep -E "^profiled|==ERROR==|==WARNING==|rror" "$OUT/ncu.log" | cut -c1-200 | head -20
+      fi
     else
-      grep -E "^profiled|==ERROR==|==WARNING==|rror" "$OUT/ncu.log" | cut -c1-200 | head -20
+      el "no ncu on this machine: no kernel profile"
     fi
-  else
-    el "no ncu on this machine: no kernel profile"
   fi
 fi
 

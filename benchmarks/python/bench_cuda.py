@@ -30,6 +30,9 @@ Baselines, measured in the same run on the same inputs:
                        of them (issue #52's overhead)
   routing variant N    the current routing warp kernel: each variant kept beside it for A/B
                        (moeext::gpu_routing_variant), checked bit for bit first, PDL off
+  routing anatomy      the current kernel's full DeepSeek-V3 call at T=1, against the same
+                       call with fewer rounds, no groups, no bias, fp32 logits, and an empty
+                       launch: where a decode token's time goes
   <op> gemm variant N  router_gemm, and fused_router's one launch, with the current router
                        GEMM kernel: each variant (moeext::gpu_router_gemm_variant), checked bit
                        for bit first, in each launch mode
@@ -333,7 +336,7 @@ def routing_options(table, quick, tokens=None):
                           mode=mode)
 
 
-ROUTING_VARIANTS = [1, 2, 3, 4]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+ROUTING_VARIANTS = [1, 2, 3, 4, 5]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
 FUSED_ROUTER_VARIANTS = [1, 2]  # moeext::gpu_fused_router_variant's, besides 0
 
@@ -436,6 +439,44 @@ def routing_variant_ab(table, quick, tokens=None):
                 dtype_name = str(dtype).replace("torch.", "")
                 variant_rows(table, "routing variant", f"{name} {dtype_name} T={num_tokens}",
                              same, times, "no-pdl", "current warp kernel")
+
+
+def routing_anatomy(table, quick, tokens=None):
+    """Where a decode token's routing time goes: the current kernel at DeepSeek-V3's 256
+    experts, T=1 unless --tokens says otherwise, PDL off, with fewer argmax rounds (topk), with
+    and without the group stage, without the bias, with fp32 logits, and beside a kernel that
+    does nothing but launch (a one-element fill). Each row against the full DeepSeek-V3 call
+    timed in the same alternation; the slope over topk is one round's cost."""
+    del quick
+    p = PRESETS["deepseek-v3"]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    bias = 2 + 0.05 * torch.randn(p.num_experts, device="cuda", generator=g)
+    shapes = {"deepseek-v3": (8, 4, 8, bias)}
+    for k in (1, 2, 4):
+        shapes[f"topk {k}"] = (8, 4, k, bias)
+    for k in (1, 8):
+        shapes[f"no groups, topk {k}"] = (1, 1, k, bias)
+    shapes["no bias"] = (8, 4, 8, None)
+    for num_tokens in tokens or [1]:
+        logits = torch.randn(num_tokens, p.num_experts, device="cuda", generator=g).bfloat16()
+        wide = logits.float()
+        one = torch.empty(1, device="cuda")
+        calls = {name: (lambda x=logits, s=shape: [lambda: moeext.biased_grouped_topk(
+                     x, s[3], s[0], s[1], s[2], True, p.routed_scaling_factor)])
+                 for name, shape in shapes.items()}
+        calls["fp32 logits"] = lambda: [lambda: moeext.biased_grouped_topk(
+            wide, bias, 8, 4, 8, True, p.routed_scaling_factor)]
+        calls["empty launch"] = lambda: [lambda: one.fill_(0.0)]
+        graphs = {name: [] for name in calls}
+        with launch_mode("no-pdl"):
+            for _ in range(3):
+                for name, make in calls.items():
+                    graphs[name].append(graph_us(make))
+            times = {name: (statistics.median(graphs[name]), eager_us(make))
+                     for name, make in calls.items()}
+        for name in calls:
+            table.add(f"routing anatomy {name}", f"E=256 T={num_tokens}",
+                      {"no-pdl": times[name]}, "deepseek-v3 8/4/8", times["deepseek-v3"])
 
 
 def gate_cases(presets, tokens, hidden):
@@ -644,6 +685,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="few, small cases")
     parser.add_argument("--only", default=None,
                         help="comma-separated: grouped_topk,routing_options,routing_variant,"
+                             "routing_anatomy,"
                              "router_gemm_variant,fused_router_variant,router_gemm,"
                              "fused_router,zero_tail,shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -680,6 +722,7 @@ def main(argv=None):
     suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens, engines),
               "routing_options": lambda: routing_options(table, args.quick, args.tokens),
               "routing_variant": lambda: routing_variant_ab(table, args.quick, args.tokens),
+              "routing_anatomy": lambda: routing_anatomy(table, args.quick, args.tokens),
               "router_gemm_variant": lambda: router_gemm_variant_ab(table, args.quick,
                                                                     args.tokens),
               "fused_router_variant": lambda: fused_router_variant_ab(table, args.quick,

@@ -75,6 +75,7 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
     case 2: return launch_routing_variant_2(params, stream);
     case 3: return launch_routing_variant_3(params, stream);
     case 4: return launch_routing_variant_4(params, stream);
+    case 5: return launch_routing_variant_5(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
 }

@@ -17,6 +17,7 @@ GpuError launch_routing_variant_1(const BiasedGroupedTopkParams& params, void* s
 GpuError launch_routing_variant_2(const BiasedGroupedTopkParams& params, void* stream);
 GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* stream);
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
+GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 

@@ -95,7 +95,25 @@ MOEEXT_HOST_DEVICE constexpr bool variant_prefetches(int variant) {
   return variant == 2 || variant == 4;
 }
 MOEEXT_HOST_DEVICE constexpr bool variant_sorts_lanes(int variant, int experts_per_lane) {
-  return (variant == 3 || variant == 4) && experts_per_lane <= kMaxSortedExpertsPerLane;
+  return (variant == 3 || variant == 4 || variant == 5) &&
+         experts_per_lane <= kMaxSortedExpertsPerLane;
+}
+
+// A model gate's topology, fixed at compile time in the warp kernel's instance for it (routing
+// variant 5, sigmoid scores, 32-lane warps): every count and branch that depends on the
+// topology is a constant. Id 0: the call's own topology. Each fills the warp exactly
+// (num_experts a multiple of 32) and, with groups, keeps the group scores in registers.
+struct FixedTopology {
+  int num_experts;
+  int num_expert_group;
+  int topk_group;
+  int topk;
+};
+constexpr int kFixedTopologies = 3;  // ids 1 (DeepSeek-V3/R1) and 2 (Kimi-K2), besides 0
+MOEEXT_HOST_DEVICE constexpr FixedTopology fixed_topology(int id) {
+  return id == 1   ? FixedTopology{256, 8, 4, 8}
+         : id == 2 ? FixedTopology{384, 1, 1, 8}
+                   : FixedTopology{0, 1, 0, 0};
 }
 
 // One argmax round over sorted lanes: the largest first value, the lowest expert holding it
@@ -233,23 +251,30 @@ __device__ __forceinline__ void prefetch_lane_logits(const LogitT* row, int64_t 
 
 // kVariant: 0 the current kernel, or one of the variants of moeext::gpu_routing_variant (the
 // same bits by other instructions, kept beside it until a GPU has timed them).
+// kTopology: 0, or the id of the FixedTopology the call has (routing variant 5).
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
-          int kVariant = 0>
+          int kVariant = 0, int kTopology = 0>
 __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   constexpr int V = kExpertsPerLane;
   constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
+  constexpr bool kFixed = kTopology != 0;
+  constexpr FixedTopology kShape = fixed_topology(kTopology);
+  static_assert(!kFixed || kShape.num_experts == kWarpSize * V,
+                "a fixed topology fills the warp's lanes exactly");
   const BiasedGroupedTopkParams& p = args.p;
   const int lane = thread_index() % kWarpSize;
   const int warp = thread_index() / kWarpSize;
   const int warps_per_block = args.warps_per_block;
-  const int num_experts = int(p.num_experts);
-  const int num_groups = int(p.num_expert_group);
-  const int group_size = args.group_size;
-  const int topk = int(p.topk);
+  const int num_experts = kFixed ? kShape.num_experts : int(p.num_experts);
+  const int num_groups = kFixed ? kShape.num_expert_group : int(p.num_expert_group);
+  const int group_size = kFixed ? kShape.num_experts / kShape.num_expert_group : args.group_size;
+  const int topk = kFixed ? kShape.topk : int(p.topk);
+  const int topk_group = kFixed ? kShape.topk_group : int(p.topk_group);
+  const ScoringFunc scoring_func = kFixed ? ScoringFunc::kSigmoid : p.scoring_func;
   const int first = lane * V;  // this lane's experts: [first, first + V)
-  const bool select_groups = p.topk_group < p.num_expert_group;
-  const bool groups_in_registers = args.group_scores_in_registers;
-  const int lanes_per_group = args.lanes_per_group;
+  const bool select_groups = topk_group < num_groups;
+  const bool groups_in_registers = kFixed || args.group_scores_in_registers;
+  const int lanes_per_group = !kFixed ? args.lanes_per_group : select_groups ? group_size / V : 1;
   // This warp's row of b, when the groups are scored from shared memory.
   float* const shared_b = reinterpret_cast<float*>(shared_words()) + int64_t(warp) * num_experts;
 
@@ -275,7 +300,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     float s[V];
     load_experts<V>(static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
                     p.gating_col_stride, first, num_experts, s);
-    score_lane<kWarpSize, V>(p.scoring_func, first, num_experts, s);
+    score_lane<kWarpSize, V>(scoring_func, first, num_experts, s);
 
     // The rounds below compare b by ordered_bits; 0, below every real value (-inf's is
     // 0x007fffff), marks an expert out of play.
@@ -323,7 +348,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
       }
       const bool leader = lane % lanes_per_group == 0 && group < num_groups;
       // Bit g * lanes_per_group set for each kept group g.
-      const LaneMask kept = ballot(leader && rank < p.topk_group);
+      const LaneMask kept = ballot(leader && rank < topk_group);
       if (groups_in_registers) {
         // group * lanes_per_group <= lane: in range even for lanes past the last expert.
         if (((kept >> (group * lanes_per_group)) & 1) == 0) {
@@ -418,7 +443,7 @@ constexpr int kCudaArch = 0;
 
 // kOptions: the instance that applies the routing options; a plain call runs the other.
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
-          int kVariant = 0>
+          int kVariant = 0, int kTopology = 0>
 __global__ void __launch_bounds__(
     kMaxThreadsPerBlock,
     kVariant != 0 ? warp_variant_min_blocks(kWarpSize, kExpertsPerLane, kCudaArch)
@@ -427,7 +452,8 @@ __global__ void __launch_bounds__(
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     wait_for_prior_grids();
     allow_dependent_grids();
-    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions, kVariant>(args);
+    route_tokens_per_warp<kWarpSize, kExpertsPerLane, LogitT, BiasT, kOptions, kVariant,
+                          kTopology>(args);
   } else {
     (void)args;  // not this target's warp width: never launched here
   }

@@ -99,8 +99,10 @@ bool gpu_programmatic_dependent_launch_supported();
 //   2: 1, and each lane prefetches its logits of the warp's next token into L2 (CUDA only);
 //   3: 1, with each lane's experts sorted once a token (up to 16 a lane; wider lanes run 1),
 //      so that an argmax round compares the lanes' first experts only;
-//   4: 3, with 2's prefetch.
-constexpr int kGpuRoutingVariants = 5;
+//   4: 3, with 2's prefetch;
+//   5: 3, in an instance of its own for each model gate whose topology it fixes at compile
+//      time (DeepSeek-V3/R1, Kimi-K2 with sigmoid scores on 32-lane warps; 3 for any other).
+constexpr int kGpuRoutingVariants = 6;
 namespace detail {
 // The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
 // completion count), one flag per binary
