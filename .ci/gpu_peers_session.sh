@@ -22,8 +22,9 @@
 #     warpops: benchmarks/cuda/warp_ops.cu, built for this GPU: the latency and throughput of
 #       the warp operations the routing kernel's argmax rounds are made of, and of a round;
 #     [aoti] the AOTInductor package test's child (tests/test_compile.py) alone under gdb, for
-#       the native stack of the SIGSEGV its loader died with on an H200 in 2026-11-28 (python
-#       -X faulthandler where gdb is missing or may not trace);
+#       the native stack of the SIGSEGV its loader died with on an H200 in 2026-11-28 (where
+#       gdb is missing or may not trace, python -X faulthandler with .ci/segv_backtrace.c
+#       preloaded);
 #     [ncu] Nsight Compute on the decode kernels (benchmarks/python/profile_cuda.py, the
 #       PROFILE_CASES named or all): instructions per warp, issue-slot use, stall reasons,
 #       occupancy.
@@ -174,10 +175,20 @@ else
         "$OUT/aoti-gdb.log" | cut -c1-220 | head -50
     fi
     if [ "$traced" = 0 ]; then
-      timeout -k 10 "${AOTI_S:-90}" "$PY" -X faulthandler -c "$child" \
-        > "$OUT/aoti-faulthandler.log" 2>&1
-      el "AOTInductor child with faulthandler: exit $? (aoti-faulthandler.log)"
-      tail -40 "$OUT/aoti-faulthandler.log" | cut -c1-220
+      # Without gdb, .ci/segv_backtrace.c preloaded prints the native stack after
+      # faulthandler's Python ones.
+      preload=""
+      if cc -O1 -g -shared -fPIC .ci/segv_backtrace.c -o "$aoti/segv_backtrace.so" \
+        > "$OUT/segv-backtrace-build.log" 2>&1; then
+        preload="$aoti/segv_backtrace.so"
+      fi
+      LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}" timeout -k 10 "${AOTI_S:-90}" "$PY" \
+        -X faulthandler -c "$child" > "$OUT/aoti-faulthandler.log" 2>&1
+      el "AOTInductor child with faulthandler${preload:+ and the native stack}: exit $? \
+(aoti-faulthandler.log)"
+      grep -E "^  File |Fatal Python|^\*\*\*|\.so|AOTI child: ok" \
+        "$OUT/aoti-faulthandler.log" | grep -v "threading.py\|tqdm\|subproc_pool" \
+        | cut -c1-220 | head -70
     fi
     rm -rf "$aoti"
   fi
