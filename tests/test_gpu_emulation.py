@@ -164,7 +164,7 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     _configure(emu)
     expected = _route(emu, logits, bias, p)
     assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
-    for variant in range(6):
+    for variant in range(2):
         for order, code in ORDERS.items():
             _configure(emu, order=code, routing=variant, seed=variant, pdl=code == 1)
             _assert_same_bits(_route(emu, logits, bias, p), expected,

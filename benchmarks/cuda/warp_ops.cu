@@ -2,8 +2,8 @@
 // each warp operation an argmax round is made of, in a dependent chain on one warp, and its
 // throughput with every multiprocessor full, in warp operations per cycle per
 // multiprocessor. The argmax rounds and the sigmoid are the kernel's own functions
-// (csrc/gpu/grouped_topk_warp.h, grouped_topk_device.h): the current round, variant 1's (a
-// tree of minimums) and variant 3's (sorted lanes) (kVariant). Cycles are the
+// (csrc/gpu/grouped_topk_warp.h, grouped_topk_device.h): the current kernel's round over
+// sorted lanes, and variant 1's over every expert a lane holds (kVariant). Cycles are the
 // multiprocessor's own (clock64), so the figures do not depend on the clock the GPU runs at.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc benchmarks/cuda/warp_ops.cu \
@@ -99,10 +99,10 @@ struct OpChain {
   __device__ uint32_t result() const { return x; }
 };
 
-// One argmax round of the warp kernel: the winner of V experts a lane, then its removal, as
-// route_tokens_per_warp does. The values are refilled from the winner every topk = 8 rounds,
-// so each round has experts in play.
-template <int kV, bool kTree>
+// One argmax round of the warp kernel's variant 1 (and of the current kernel past 16 experts a
+// lane): the winner of V experts a lane, then its removal, as route_tokens_per_warp does. The
+// values are refilled from the winner every topk = 8 rounds, so each round has experts in play.
+template <int kV>
 struct Round {
   static constexpr int V = kV;
   static constexpr int kRefill = 8;
@@ -112,7 +112,7 @@ struct Round {
     for (int i = 0; i < V; ++i) value[i] = (seed * 2654435761u + uint32_t(i) * 40503u) | 1u;
   }
   __device__ uint32_t step(int first) {
-    const uint32_t id = round_winner<kWarp, V, kTree>(value, first);
+    const uint32_t id = round_winner<kWarp, V>(value, first);
 #pragma unroll
     for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
     return id;
@@ -120,7 +120,7 @@ struct Round {
   __device__ uint32_t result() const { return value[0]; }
 };
 
-// The argmax round of variant 3 (sorted lanes): each lane sorts its V experts once a token
+// The current kernel's argmax round (sorted lanes): each lane sorts its V experts once a token
 // (sort_lane, refill included), after which a round compares the lanes' first experts only
 // (sorted_round_winner). The same winner as round_winner's.
 template <int kV>
@@ -315,12 +315,10 @@ int main() {
   op_row<ReduxMax>(sms, kBlocksPerSm);
   op_row<ReduxMin>(sms, kBlocksPerSm);
   op_row<Sigmoid>(sms, kBlocksPerSm);
-  row<Round<8, false>>(sms, kBlocksPerSm, "argmax round, 8 a lane, current");
-  row<Round<8, true>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant 1");
-  row<SortedRound<8>>(sms, kBlocksPerSm, "argmax round, 8 a lane, sorted (3)");
-  row<Round<12, false>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current");
-  row<Round<12, true>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant 1");
-  row<SortedRound<12>>(sms, kBlocksPerSm, "argmax round, 12 a lane, sorted (3)");
+  row<SortedRound<8>>(sms, kBlocksPerSm, "argmax round, 8 a lane, current (sorted)");
+  row<Round<8>>(sms, kBlocksPerSm, "argmax round, 8 a lane, variant 1");
+  row<SortedRound<12>>(sms, kBlocksPerSm, "argmax round, 12 a lane, current (sorted)");
+  row<Round<12>>(sms, kBlocksPerSm, "argmax round, 12 a lane, variant 1");
   row<InsertTop8>(sms, kBlocksPerSm, "one thread: insert into a sorted top-8");
   return 0;
 }

@@ -336,7 +336,7 @@ def routing_options(table, quick, tokens=None):
                           mode=mode)
 
 
-ROUTING_VARIANTS = [1, 2, 3, 4, 5]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+ROUTING_VARIANTS = [1]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
 FUSED_ROUTER_VARIANTS = [1, 2]  # moeext::gpu_fused_router_variant's, besides 0
 

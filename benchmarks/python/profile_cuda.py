@@ -7,9 +7,9 @@ few times to warm up, then once inside an NVTX range named ``moeext-profile``; r
 order the cases are listed (the script prints each case's name before its call, so the
 report's kernels line up with the names).
 
-  route-*   biased_grouped_topk, sigmoid, fp32 bias, bf16 logits (the warp kernel; *-v3, *-v5:
-            its routing variant 3, sorted lanes, or 5, sorted lanes in the gate's own instance,
-            set for the call: moeext::gpu_routing_variant)
+  route-*   biased_grouped_topk, sigmoid, fp32 bias, bf16 logits (the warp kernel, in the
+            gate's own instance; *-v1: its routing variant 1, the kernel before the sorted
+            lanes and those instances, set for the call: moeext::gpu_routing_variant)
   gemm-*    router_gemm, H = 7168, bf16 -> fp32 (the small-T kernel)
   fused-*   fused_router, H = 7168, as its one-launch decode kernel (fused router variant 1;
             calls run the two kernels the gemm and route cases profile)
@@ -34,12 +34,10 @@ CASES = {
     # name: (op, preset, tokens, routing variant)
     "route-dsv3-bf16-t1": ("route", "deepseek-v3", 1, 0),
     "route-dsv3-bf16-t16384": ("route", "deepseek-v3", 16384, 0),
-    "route-dsv3-bf16-t1-v3": ("route", "deepseek-v3", 1, 3),
-    "route-dsv3-bf16-t16384-v3": ("route", "deepseek-v3", 16384, 3),
-    "route-dsv3-bf16-t1-v5": ("route", "deepseek-v3", 1, 5),
-    "route-dsv3-bf16-t16384-v5": ("route", "deepseek-v3", 16384, 5),
+    "route-dsv3-bf16-t1-v1": ("route", "deepseek-v3", 1, 1),
+    "route-dsv3-bf16-t16384-v1": ("route", "deepseek-v3", 16384, 1),
     "route-kimi-bf16-t1": ("route", "kimi-k2", 1, 0),
-    "route-kimi-bf16-t1-v5": ("route", "kimi-k2", 1, 5),
+    "route-kimi-bf16-t1-v1": ("route", "kimi-k2", 1, 1),
     "gemm-e256-t1": ("gemm", "deepseek-v3", 1, 0),
     "gemm-e384-t4": ("gemm", "kimi-k2", 4, 0),
     "fused-dsv3-t1": ("fused", "deepseek-v3", 1, 0),

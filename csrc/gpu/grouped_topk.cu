@@ -38,9 +38,10 @@ namespace {
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions>
 GpuError launch_typed(KernelArgs args, const FastPathPlan& plan, void* stream) {
   if (plan.experts_per_lane != 0) {
+    const int topology = kOptions ? 0 : fixed_topology_for(args.p, kWarpSize);
     return launch_warp_kernel<kWarpSize>(
-        warp_kernel<kWarpSize, LogitT, BiasT, kOptions, 0>(plan.experts_per_lane), args, plan,
-        stream);
+        warp_kernel<kWarpSize, LogitT, BiasT, kOptions, 0>(plan.experts_per_lane, topology),
+        args, plan, stream);
   }
   const int64_t sms = multiprocessor_count_of_current_device();
   constexpr int kWarps = kGeneralThreads / kWarpSize;
@@ -72,10 +73,6 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
                                 void* stream) {
   switch (variant) {
     case 1: return launch_routing_variant_1(params, stream);
-    case 2: return launch_routing_variant_2(params, stream);
-    case 3: return launch_routing_variant_3(params, stream);
-    case 4: return launch_routing_variant_4(params, stream);
-    case 5: return launch_routing_variant_5(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
 }

@@ -121,6 +121,38 @@ MOEEXT_HOST_DEVICE inline FastPathPlan plan_fast_path(int warp_size, int64_t num
   return plan;
 }
 
+// A model gate's topology, for which the warp kernel has an instance of its own with every
+// count a constant (plain calls with sigmoid scores on 32-lane warps; fixed_topology_of). Each
+// fills the warp exactly (num_experts a multiple of 32) and, with groups, keeps the group
+// scores in registers at num_experts / 32 experts a lane (tests/cpp/test_grouped_topk_plan.cpp).
+struct FixedTopology {
+  int num_experts;
+  int num_expert_group;
+  int topk_group;
+  int topk;
+};
+constexpr int kFixedTopologies = 3;  // ids 1 (DeepSeek-V3/R1) and 2 (Kimi-K2), besides 0
+// Id 0 is none: the call's own topology.
+MOEEXT_HOST_DEVICE constexpr FixedTopology fixed_topology(int id) {
+  return id == 1   ? FixedTopology{256, 8, 4, 8}
+         : id == 2 ? FixedTopology{384, 1, 1, 8}
+                   : FixedTopology{0, 1, 0, 0};
+}
+
+// The id of the call's FixedTopology on a warp of `warp_size` lanes, or 0.
+inline int fixed_topology_of(int warp_size, int64_t num_experts, int64_t num_expert_group,
+                             int64_t topk_group, int64_t topk, bool sigmoid) {
+  if (warp_size != 32 || !sigmoid) return 0;
+  for (int id = 1; id < kFixedTopologies; ++id) {
+    const FixedTopology t = fixed_topology(id);
+    if (num_experts == t.num_experts && num_expert_group == t.num_expert_group &&
+        topk_group == t.topk_group && topk == t.topk) {
+      return id;
+    }
+  }
+  return 0;
+}
+
 // Dynamic shared memory of the fast kernel: b of each warp's token, for group scoring.
 MOEEXT_HOST_DEVICE inline int64_t fast_smem_bytes(const FastPathPlan& plan, int64_t num_experts,
                                                   int64_t warps_per_block) {

@@ -14,10 +14,6 @@ namespace moeext::gpu::grouped_topk {
 // Routes `params` with variant n's warp kernel: a call without options whose topology the warp
 // kernel takes (plan_fast_path).
 GpuError launch_routing_variant_1(const BiasedGroupedTopkParams& params, void* stream);
-GpuError launch_routing_variant_2(const BiasedGroupedTopkParams& params, void* stream);
-GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* stream);
-GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
-GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 

@@ -50,33 +50,15 @@ __device__ __forceinline__ uint32_t first_holding(const uint32_t (&value)[V], in
   return expert;
 }
 
-// first_holding as a tree: the least of (value[i] == target ? first + i : none) over
-// [kBegin, kEnd), log2(kEnd - kBegin) dependent minimums where first_holding chains V selects.
-template <int kBegin, int kEnd, int V>
-__device__ __forceinline__ uint32_t first_holding_tree(const uint32_t (&value)[V], int first,
-                                                       uint32_t target, uint32_t none) {
-  if constexpr (kEnd - kBegin == 1) {
-    return value[kBegin] == target ? uint32_t(first + kBegin) : none;
-  } else {
-    const uint32_t a = first_holding_tree<kBegin, (kBegin + kEnd) / 2>(value, first, target, none);
-    const uint32_t b = first_holding_tree<(kBegin + kEnd) / 2, kEnd>(value, first, target, none);
-    return a < b ? a : b;
-  }
-}
-
 // One argmax round's winner, in every lane: the expert with the largest value, the lowest
 // such expert on a tie (the tie rule). 0 marks an expert out of play; at least one is in.
-template <int kWarpSize, int V, bool kTree = false>
+template <int kWarpSize, int V>
 __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int first) {
 #if defined(MOEEXT_HAS_WARP_REDUX)
   // The largest value, then the least of the lanes' first experts holding it (lanes holding
   // none offer 0xffffffff).
   const uint32_t best = warp_reduce_max(lane_max<0, V>(value));
-  if constexpr (kTree) {
-    return warp_reduce_min(first_holding_tree<0, V>(value, first, best, 0xffffffffu));
-  } else {
-    return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
-  }
+  return warp_reduce_min(first_holding(value, first, best, 0xffffffffu));
 #else
   // Each lane's largest value and the first expert holding it, as one key (key_from_ordered:
   // the larger key is the lower expert on a tie), and one butterfly over the keys: one
@@ -88,32 +70,13 @@ __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int
 #endif
 }
 
-// What variant kVariant of the warp kernel changes (moeext::gpu_routing_variant lists them).
-MOEEXT_HOST_DEVICE constexpr bool variant_takes_min_tree(int variant) { return variant >= 1; }
-MOEEXT_HOST_DEVICE constexpr bool variant_sums_topk_lanes(int variant) { return variant >= 1; }
-MOEEXT_HOST_DEVICE constexpr bool variant_prefetches(int variant) {
-  return variant == 2 || variant == 4;
-}
-MOEEXT_HOST_DEVICE constexpr bool variant_sorts_lanes(int variant, int experts_per_lane) {
-  return (variant == 3 || variant == 4 || variant == 5) &&
-         experts_per_lane <= kMaxSortedExpertsPerLane;
-}
-
-// A model gate's topology, fixed at compile time in the warp kernel's instance for it (routing
-// variant 5, sigmoid scores, 32-lane warps): every count and branch that depends on the
-// topology is a constant. Id 0: the call's own topology. Each fills the warp exactly
-// (num_experts a multiple of 32) and, with groups, keeps the group scores in registers.
-struct FixedTopology {
-  int num_experts;
-  int num_expert_group;
-  int topk_group;
-  int topk;
-};
-constexpr int kFixedTopologies = 3;  // ids 1 (DeepSeek-V3/R1) and 2 (Kimi-K2), besides 0
-MOEEXT_HOST_DEVICE constexpr FixedTopology fixed_topology(int id) {
-  return id == 1   ? FixedTopology{256, 8, 4, 8}
-         : id == 2 ? FixedTopology{384, 1, 1, 8}
-                   : FixedTopology{0, 1, 0, 0};
+// Whether the warp kernel sorts each lane's experts once a token, so that an argmax round
+// compares the lanes' first experts only (sorted_round_winner), and sums the weights over the
+// topk lanes only: the current kernel up to kMaxSortedExpertsPerLane experts a lane. Wider
+// lanes, and variant 1 (the kernel before them, moeext::gpu_routing_variant), run round_winner
+// and sum over every lane.
+MOEEXT_HOST_DEVICE constexpr bool sorts_lanes(int variant, int experts_per_lane) {
+  return variant == 0 && experts_per_lane <= kMaxSortedExpertsPerLane;
 }
 
 // One argmax round over sorted lanes: the largest first value, the lowest expert holding it
@@ -234,24 +197,10 @@ __device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, 
   }
 }
 
-// Into L2, this lane's logits of row `row` (its first expert's line; all of them where the row
-// is contiguous and a lane's chunk does not cross a line): the warp's next token, asked for a
-// whole token's work ahead of its load. CUDA only (a hint: nothing else changes).
-template <typename LogitT>
-__device__ __forceinline__ void prefetch_lane_logits(const LogitT* row, int64_t stride, int first,
-                                                     int num_experts) {
-#if !defined(MOEEXT_HIP)
-  if (first < num_experts) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + int64_t(first) * stride));
-  }
-#else
-  (void)row, (void)stride, (void)first, (void)num_experts;
-#endif
-}
-
 // kVariant: 0 the current kernel, or one of the variants of moeext::gpu_routing_variant (the
-// same bits by other instructions, kept beside it until a GPU has timed them).
-// kTopology: 0, or the id of the FixedTopology the call has (routing variant 5).
+// same bits by other instructions, kept beside it for A/B timing).
+// kTopology: 0, or the id of the call's FixedTopology (grouped_topk_plan.h): the instance of a
+// model gate, whose counts and scoring function are then constants.
 template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, bool kOptions,
           int kVariant = 0, int kTopology = 0>
 __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
@@ -288,14 +237,6 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   const int64_t counted_end = kOptions ? counted_rows(p.options, p.num_tokens) : 0;
   for (int64_t token = block_index() * warps_per_block + warp; token < p.num_tokens;
        token += args.token_step) {
-    if constexpr (variant_prefetches(kVariant)) {
-      const int64_t next = token + args.token_step;
-      if (next < p.num_tokens) {
-        const LogitT* next_row =
-            static_cast<const LogitT*>(p.gating_output) + next * p.gating_row_stride;
-        prefetch_lane_logits(next_row, p.gating_col_stride, first, num_experts);
-      }
-    }
     // Steps 1-2: s and the keys of b.
     float s[V];
     load_experts<V>(static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
@@ -376,7 +317,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // winner; the weights are gathered after the last round, keeping a shuffle off each
     // round's path.
     uint32_t chosen_id = 0;
-    if constexpr (variant_sorts_lanes(kVariant, V)) {
+    if constexpr (sorts_lanes(kVariant, V)) {
       SlotOrder<V> order = sort_lane(value);
       for (int j = 0; j < topk; ++j) {
         const uint32_t id = sorted_round_winner<kWarpSize>(value, order, first, lane);
@@ -385,7 +326,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     } else {
       for (int j = 0; j < topk; ++j) {
         const uint32_t id =
-            round_winner<kWarpSize, V, variant_takes_min_tree(kVariant)>(value, first);
+            round_winner<kWarpSize, V>(value, first);
 #pragma unroll
         for (int i = 0; i < V; ++i) value[i] = uint32_t(first + i) == id ? 0u : value[i];
         chosen_id = lane == j ? id : chosen_id;
@@ -403,7 +344,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     chosen_weight = weight_of_score(chosen_weight);
     // Every lane adds the weights in winning order, the CPU's summation order.
     float sum = 0.0f;
-    if constexpr (variant_sums_topk_lanes(kVariant)) {
+    if constexpr (sorts_lanes(kVariant, V)) {
       // Lanes [0, topk) only, in runs of 8 independent shuffles: the same additions in the
       // same order, without the kWarpSize - topk shuffles and selects past topk.
       for (int run = 0; run < topk; run += 8) {
@@ -446,8 +387,9 @@ template <int kWarpSize, int kExpertsPerLane, typename LogitT, typename BiasT, b
           int kVariant = 0, int kTopology = 0>
 __global__ void __launch_bounds__(
     kMaxThreadsPerBlock,
-    kVariant != 0 ? warp_variant_min_blocks(kWarpSize, kExpertsPerLane, kCudaArch)
-                  : warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
+    sorts_lanes(kVariant, kExpertsPerLane)
+        ? sorted_lanes_min_blocks(kWarpSize, kExpertsPerLane, kCudaArch)
+        : warp_kernel_min_blocks(kWarpSize, kExpertsPerLane))
     grouped_topk_warp_kernel(const KernelArgs args) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     wait_for_prior_grids();

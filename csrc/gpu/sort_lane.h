@@ -1,5 +1,5 @@
-// A lane's sort of its experts for the sorted-lanes variant of the routing warp kernel
-// (grouped_topk_warp.h, kVariant 3): values larger first, the lower expert first on a tie,
+// A lane's sort of its experts for the routing warp kernel's sorted lanes
+// (grouped_topk_warp.h, sorts_lanes): values larger first, the lower expert first on a tie,
 // and where each came from, packed. No GPU runtime header here: the host unit test
 // tests/cpp/test_sort_lane.cpp compiles these very functions.
 #pragma once

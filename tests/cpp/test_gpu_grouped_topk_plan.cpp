@@ -124,10 +124,44 @@ void test_general_layout() {
   }
 }
 
+// Each model gate with a warp kernel instance of its own: the plan gives it the lanes the
+// instance was compiled for (num_experts / 32 experts a lane, exactly filled, the group scores
+// in registers), and the call's topology finds it on 32-lane warps with sigmoid scores only.
+void test_fixed_topologies() {
+  CHECK(gt::fixed_topology_of(32, 256, 8, 4, 8, true) == 1, "deepseek-v3 is fixed topology 1");
+  CHECK(gt::fixed_topology_of(32, 384, 1, 1, 8, true) == 2, "kimi-k2 is fixed topology 2");
+  for (int id = 1; id < gt::kFixedTopologies; ++id) {
+    const gt::FixedTopology t = gt::fixed_topology(id);
+    const gt::FastPathPlan plan =
+        gt::plan_fast_path(32, t.num_experts, t.num_expert_group, t.topk_group, t.topk);
+    CHECK(t.num_experts % 32 == 0 && plan.experts_per_lane == t.num_experts / 32 &&
+              plan.group_scores_in_registers &&
+              (t.topk_group == t.num_expert_group ||
+               plan.lanes_per_group * plan.experts_per_lane ==
+                   t.num_experts / t.num_expert_group),
+          "fixed topology %d: %d a lane, %d lanes a group", id, plan.experts_per_lane,
+          plan.lanes_per_group);
+    CHECK(gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group, t.topk,
+                                true) == id,
+          "fixed topology %d found", id);
+    CHECK(gt::fixed_topology_of(64, t.num_experts, t.num_expert_group, t.topk_group, t.topk,
+                                true) == 0 &&
+              gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group,
+                                    t.topk, false) == 0 &&
+              gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group,
+                                    t.topk + 1, true) == 0,
+          "fixed topology %d only on 32 lanes, sigmoid, its own topk", id);
+  }
+  CHECK(gt::fixed_topology_of(32, 256, 8, 3, 8, true) == 0 &&
+            gt::fixed_topology_of(32, 160, 8, 3, 6, true) == 0,
+        "other topologies are none");
+}
+
 }  // namespace
 
 int main() {
   test_plan();
   test_general_layout();
+  test_fixed_topologies();
   return moeext_test::finish("grouped_topk_plan");
 }

@@ -95,14 +95,10 @@ bool gpu_programmatic_dependent_launch_supported();
 // (bench_cuda.py --only routing_variant) before the fastest becomes the only one. 0 unless
 // set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch,
 // so a CUDA graph keeps the variant that was set while it was captured.
-//   1: the argmax rounds' second reduction over a tree, the weight sum over topk lanes only;
-//   2: 1, and each lane prefetches its logits of the warp's next token into L2 (CUDA only);
-//   3: 1, with each lane's experts sorted once a token (up to 16 a lane; wider lanes run 1),
-//      so that an argmax round compares the lanes' first experts only;
-//   4: 3, with 2's prefetch;
-//   5: 3, in an instance of its own for each model gate whose topology it fixes at compile
-//      time (DeepSeek-V3/R1, Kimi-K2 with sigmoid scores on 32-lane warps; 3 for any other).
-constexpr int kGpuRoutingVariants = 6;
+//   1: the kernel before the sorted lanes and the model gates' own instances
+//      (grouped_topk_warp.h, sorts_lanes; grouped_topk_plan.h, FixedTopology): an argmax
+//      round over every expert a lane holds, the weight sum over every lane.
+constexpr int kGpuRoutingVariants = 2;
 namespace detail {
 // The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
 // completion count), one flag per binary
