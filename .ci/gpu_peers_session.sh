@@ -34,7 +34,7 @@
 # It copies nothing: .gpu-peers/ (a copy of ../shared/gpu-peers) and .peer/ (the engines'
 # files, PEERS.md) must be in the checkout root and carried to the machine, on every call.
 #
-#   DEVICE_RUN_S=230 VARIANT_S=75 TESTS_S=160 FUSED_S=60 CUDA_BENCH_S=30              part 1
+#   DEVICE_RUN_S=230 VARIANT_S=90 TESTS_S=160 FUSED_S=60 CUDA_BENCH_S=30              part 1
 #   PDL_S=45 COMPILE_S=120 WARP_OPS_S=25 AOTI_S=90 PROFILE_S=40                       part 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,7 +92,7 @@ if [ "$PART" = 1 ]; then
   # The kernels' variants against the current ones first, in a box of their own: which ones
   # land is decided by these rows. Then where a decode token's routing time goes.
   if wants variants; then
-    timeout -k 10 "${VARIANT_S:-75}" "$PY" benchmarks/python/bench_cuda.py --quick \
+    timeout -k 10 "${VARIANT_S:-90}" "$PY" benchmarks/python/bench_cuda.py --quick \
       --no-engines --only "${VARIANT_SUITES:-routing_variant,routing_anatomy}" \
       > "$OUT/routing-variants.log" 2>&1
     el "bench_cuda.py --only ${VARIANT_SUITES:-routing_variant,routing_anatomy}: exit $? \

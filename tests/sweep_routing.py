@@ -513,7 +513,7 @@ def main(argv=None):
         if module is not None:
             # run order, its seed, multiprocessors, routing / GEMM / fused variant, PDL
             setting = (where_rng.randrange(3), where_rng.randrange(1 << 30),
-                       where_rng.choice([1, 3, 132]), where_rng.randrange(2),
+                       where_rng.choice([1, 3, 132]), where_rng.randrange(3),
                        where_rng.randrange(2), where_rng.randrange(3), where_rng.random() < 0.5)
             module.configure(*setting)
             where = f"{args.target} {setting}"

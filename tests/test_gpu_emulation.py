@@ -147,8 +147,8 @@ def _route(emu, logits, bias, p):
 
 
 ROUTING_CASES = [(preset, dtype, num_tokens)
-                 for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4-pro", "nemotron-style",
-                                "deepseek-v2")
+                 for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4-flash", "deepseek-v4-pro",
+                                "nemotron-style", "deepseek-v2")
                  for dtype in (torch.float32, torch.bfloat16)
                  for num_tokens in (1, 37, 300)]
 
@@ -164,7 +164,7 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     _configure(emu)
     expected = _route(emu, logits, bias, p)
     assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
-    for variant in range(2):
+    for variant in range(3):
         for order, code in ORDERS.items():
             _configure(emu, order=code, routing=variant, seed=variant, pdl=code == 1)
             _assert_same_bits(_route(emu, logits, bias, p), expected,

@@ -336,7 +336,7 @@ def routing_options(table, quick, tokens=None):
                           mode=mode)
 
 
-ROUTING_VARIANTS = [1]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+ROUTING_VARIANTS = [1, 2]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
 FUSED_ROUTER_VARIANTS = [1, 2]  # moeext::gpu_fused_router_variant's, besides 0
 
@@ -413,7 +413,8 @@ def routing_variant_ab(table, quick, tokens=None):
     graph times taken in alternation, three of each, medians reported. A MISMATCH row means
     that variant must not land."""
     tokens = tokens or ([1, 4096, 16384] if quick else [1, 16, 64, 256, 1024, 4096, 16384])
-    for name in ["deepseek-v3", "kimi-k2"]:
+    # The gates with an instance of their own in the kernel, then in variant 2 only.
+    for name in ["deepseek-v3", "kimi-k2", "deepseek-v4-pro", "nemotron-style"]:
         p = PRESETS[name]
         rest = routing_args(p)
         for dtype in [torch.bfloat16, torch.float32]:

@@ -26,7 +26,7 @@ from ops import route  # noqa: E402 (tests/gpu_emulation/ops.py)
 from moeext.presets import PRESETS  # noqa: E402
 
 PRESET_NAMES = ["deepseek-v3", "kimi-k2", "glm-4.5", "deepseek-v4-pro", "nemotron-style"]
-VARIANTS = 2
+VARIANTS = 3
 KINDS = ["shuffles", "gathers", "ballots", "warp_syncs"]
 
 

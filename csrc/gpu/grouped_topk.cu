@@ -8,7 +8,9 @@
 //     Decode batches are a handful of tokens, so the latency of one token is what counts:
 //     each of the topk argmax rounds is a few dozen instructions on 32-bit values with two
 //     warp reductions (one redux.sync each on CUDA sm_80+), and a block holds as few warps as
-//     the batch allows so that tokens spread over the multiprocessors.
+//     the batch allows so that tokens spread over the multiprocessors. A plain call whose
+//     topology is a model gate's (FixedTopology, grouped_topk_plan.h) runs that gate's own
+//     instance, with its counts constants.
 //   * block kernel (grouped_topk_block.h; everything else up to kMaxExperts experts): one
 //     token per block of kGeneralThreads, b and the group scores in shared memory,
 //     block-wide argmax.
@@ -73,6 +75,7 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
                                 void* stream) {
   switch (variant) {
     case 1: return launch_routing_variant_1(params, stream);
+    case 2: return launch_routing_variant_2(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
 }
@@ -128,7 +131,11 @@ GpuError biased_grouped_topk_gpu(const BiasedGroupedTopkParams& params, void* st
   const FastPathPlan plan = plan_for(params, warp_size);
   // The variants (moeext::gpu_routing_variant) have plain warp kernel instances only.
   const int variant = gpu_routing_variant();
-  if (variant != 0 && plan.experts_per_lane != 0 && !params.options.any()) {
+  // Variant 2 differs from the current kernel on the gates it adds instances for only.
+  const bool variant_differs =
+      variant != 2 ||
+      fixed_topology_for(params, warp_size, kFixedTopologies) >= kCurrentFixedTopologies;
+  if (variant != 0 && variant_differs && plan.experts_per_lane != 0 && !params.options.any()) {
     return launch_routing_variant(variant, params, stream);
   }
   const KernelArgs args = kernel_args(params, plan);

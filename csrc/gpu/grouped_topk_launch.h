@@ -22,19 +22,21 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The id of the FixedTopology whose instance of the warp kernel routes `p` on warps of
-// `warp_size` lanes, or 0 (fixed_topology_of).
-inline int fixed_topology_for(const BiasedGroupedTopkParams& p, int warp_size) {
+// The id below id_end of the FixedTopology whose instance of the warp kernel routes `p` on
+// warps of `warp_size` lanes, or 0 (fixed_topology_of).
+inline int fixed_topology_for(const BiasedGroupedTopkParams& p, int warp_size,
+                              int id_end = kCurrentFixedTopologies) {
   return fixed_topology_of(warp_size, p.num_experts, p.num_expert_group, p.topk_group, p.topk,
-                           p.scoring_func == ScoringFunc::kSigmoid);
+                           p.scoring_func, id_end);
 }
 
-// The model gate's instance (FixedTopology id kTopology) where the plan gives it its lanes.
-template <typename LogitT, typename BiasT, int kTopology>
+// The model gate's instance (FixedTopology id kTopology) of warp kernel variant kVariant, where
+// the plan gives it its lanes.
+template <typename LogitT, typename BiasT, int kVariant, int kTopology>
 Kernel fixed_topology_kernel(int experts_per_lane) {
   constexpr int V = fixed_topology(kTopology).num_experts / 32;
   return experts_per_lane == V
-             ? Kernel(grouped_topk_warp_kernel<32, V, LogitT, BiasT, false, 0, kTopology>)
+             ? Kernel(grouped_topk_warp_kernel<32, V, LogitT, BiasT, false, kVariant, kTopology>)
              : nullptr;
 }
 
@@ -44,9 +46,9 @@ Kernel fixed_topology_kernel(int experts_per_lane) {
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, int kVariant>
 Kernel warp_kernel(int experts_per_lane, int topology = 0) {
   if constexpr (kWarpSize == 32 && !kOptions && kVariant == 0) {
-    static_assert(kFixedTopologies == 3, "an instance for each fixed topology");
-    if (topology == 1) return fixed_topology_kernel<LogitT, BiasT, 1>(experts_per_lane);
-    if (topology == 2) return fixed_topology_kernel<LogitT, BiasT, 2>(experts_per_lane);
+    static_assert(kCurrentFixedTopologies == 3, "an instance for each current fixed topology");
+    if (topology == 1) return fixed_topology_kernel<LogitT, BiasT, 0, 1>(experts_per_lane);
+    if (topology == 2) return fixed_topology_kernel<LogitT, BiasT, 0, 2>(experts_per_lane);
   } else {
     (void)topology;
   }

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "moeext/common.h"
+#include "moeext/grouped_topk.h"
 
 namespace moeext::gpu::grouped_topk {
 
@@ -121,8 +122,8 @@ MOEEXT_HOST_DEVICE inline FastPathPlan plan_fast_path(int warp_size, int64_t num
   return plan;
 }
 
-// A model gate's topology, for which the warp kernel has an instance of its own with every
-// count a constant (plain calls with sigmoid scores on 32-lane warps; fixed_topology_of). Each
+// A model gate's topology and scoring function, for which the warp kernel has an instance of
+// its own with every count a constant (plain calls on 32-lane warps; fixed_topology_of). Each
 // fills the warp exactly (num_experts a multiple of 32) and, with groups, keeps the group
 // scores in registers at num_experts / 32 experts a lane (tests/cpp/test_grouped_topk_plan.cpp).
 struct FixedTopology {
@@ -130,23 +131,31 @@ struct FixedTopology {
   int num_expert_group;
   int topk_group;
   int topk;
+  ScoringFunc scoring_func;
 };
-constexpr int kFixedTopologies = 3;  // ids 1 (DeepSeek-V3/R1) and 2 (Kimi-K2), besides 0
-// Id 0 is none: the call's own topology.
+// Ids 1 (DeepSeek-V3/R1) and 2 (Kimi-K2): the current kernel's. Ids 3 (DeepSeek-V4-Flash), 4
+// (DeepSeek-V4-Pro) and 5 (a Nemotron-style 512 experts, top 22): routing variant 2's until a
+// GPU has timed them. Id 0 is none: the call's own topology.
+constexpr int kCurrentFixedTopologies = 3;
+constexpr int kFixedTopologies = 6;
 MOEEXT_HOST_DEVICE constexpr FixedTopology fixed_topology(int id) {
-  return id == 1   ? FixedTopology{256, 8, 4, 8}
-         : id == 2 ? FixedTopology{384, 1, 1, 8}
-                   : FixedTopology{0, 1, 0, 0};
+  return id == 1   ? FixedTopology{256, 8, 4, 8, ScoringFunc::kSigmoid}
+         : id == 2 ? FixedTopology{384, 1, 1, 8, ScoringFunc::kSigmoid}
+         : id == 3 ? FixedTopology{256, 1, 1, 6, ScoringFunc::kSqrtSoftplus}
+         : id == 4 ? FixedTopology{384, 1, 1, 6, ScoringFunc::kSqrtSoftplus}
+         : id == 5 ? FixedTopology{512, 1, 1, 22, ScoringFunc::kSigmoid}
+                   : FixedTopology{0, 1, 0, 0, ScoringFunc::kSigmoid};
 }
 
-// The id of the call's FixedTopology on a warp of `warp_size` lanes, or 0.
+// The id below id_end of the call's FixedTopology on a warp of `warp_size` lanes, or 0.
 inline int fixed_topology_of(int warp_size, int64_t num_experts, int64_t num_expert_group,
-                             int64_t topk_group, int64_t topk, bool sigmoid) {
-  if (warp_size != 32 || !sigmoid) return 0;
-  for (int id = 1; id < kFixedTopologies; ++id) {
+                             int64_t topk_group, int64_t topk, ScoringFunc scoring_func,
+                             int id_end = kCurrentFixedTopologies) {
+  if (warp_size != 32) return 0;
+  for (int id = 1; id < id_end; ++id) {
     const FixedTopology t = fixed_topology(id);
     if (num_experts == t.num_experts && num_expert_group == t.num_expert_group &&
-        topk_group == t.topk_group && topk == t.topk) {
+        topk_group == t.topk_group && topk == t.topk && scoring_func == t.scoring_func) {
       return id;
     }
   }

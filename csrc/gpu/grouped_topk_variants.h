@@ -14,6 +14,9 @@ namespace moeext::gpu::grouped_topk {
 // Routes `params` with variant n's warp kernel: a call without options whose topology the warp
 // kernel takes (plan_fast_path).
 GpuError launch_routing_variant_1(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 2 only where the call's topology is one of the FixedTopology ids from
+// kCurrentFixedTopologies (variant 2 is the current kernel elsewhere).
+GpuError launch_routing_variant_2(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 

@@ -72,11 +72,11 @@ __device__ __forceinline__ uint32_t round_winner(const uint32_t (&value)[V], int
 
 // Whether the warp kernel sorts each lane's experts once a token, so that an argmax round
 // compares the lanes' first experts only (sorted_round_winner), and sums the weights over the
-// topk lanes only: the current kernel up to kMaxSortedExpertsPerLane experts a lane. Wider
-// lanes, and variant 1 (the kernel before them, moeext::gpu_routing_variant), run round_winner
-// and sum over every lane.
+// topk lanes only: the current kernel (and variant 2) up to kMaxSortedExpertsPerLane experts a
+// lane. Wider lanes, and variant 1 (the kernel before them, moeext::gpu_routing_variant), run
+// round_winner and sum over every lane.
 MOEEXT_HOST_DEVICE constexpr bool sorts_lanes(int variant, int experts_per_lane) {
-  return variant == 0 && experts_per_lane <= kMaxSortedExpertsPerLane;
+  return variant != 1 && experts_per_lane <= kMaxSortedExpertsPerLane;
 }
 
 // One argmax round over sorted lanes: the largest first value, the lowest expert holding it
@@ -219,7 +219,7 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   const int group_size = kFixed ? kShape.num_experts / kShape.num_expert_group : args.group_size;
   const int topk = kFixed ? kShape.topk : int(p.topk);
   const int topk_group = kFixed ? kShape.topk_group : int(p.topk_group);
-  const ScoringFunc scoring_func = kFixed ? ScoringFunc::kSigmoid : p.scoring_func;
+  const ScoringFunc scoring_func = kFixed ? kShape.scoring_func : p.scoring_func;
   const int first = lane * V;  // this lane's experts: [first, first + V)
   const bool select_groups = topk_group < num_groups;
   const bool groups_in_registers = kFixed || args.group_scores_in_registers;

@@ -126,10 +126,17 @@ void test_general_layout() {
 
 // Each model gate with a warp kernel instance of its own: the plan gives it the lanes the
 // instance was compiled for (num_experts / 32 experts a lane, exactly filled, the group scores
-// in registers), and the call's topology finds it on 32-lane warps with sigmoid scores only.
+// in registers), and the call's topology finds it on 32-lane warps with its own scoring
+// function only, and among the current kernel's ids unless asked for all.
 void test_fixed_topologies() {
-  CHECK(gt::fixed_topology_of(32, 256, 8, 4, 8, true) == 1, "deepseek-v3 is fixed topology 1");
-  CHECK(gt::fixed_topology_of(32, 384, 1, 1, 8, true) == 2, "kimi-k2 is fixed topology 2");
+  using moeext::ScoringFunc;
+  constexpr ScoringFunc kSigmoid = ScoringFunc::kSigmoid;
+  CHECK(gt::fixed_topology_of(32, 256, 8, 4, 8, kSigmoid) == 1, "deepseek-v3 is topology 1");
+  CHECK(gt::fixed_topology_of(32, 384, 1, 1, 8, kSigmoid) == 2, "kimi-k2 is topology 2");
+  CHECK(gt::fixed_topology_of(32, 384, 1, 1, 6, ScoringFunc::kSqrtSoftplus) == 0 &&
+            gt::fixed_topology_of(32, 384, 1, 1, 6, ScoringFunc::kSqrtSoftplus,
+                                  gt::kFixedTopologies) == 4,
+        "deepseek-v4-pro is topology 4, not the current kernel's");
   for (int id = 1; id < gt::kFixedTopologies; ++id) {
     const gt::FixedTopology t = gt::fixed_topology(id);
     const gt::FastPathPlan plan =
@@ -141,19 +148,22 @@ void test_fixed_topologies() {
                    t.num_experts / t.num_expert_group),
           "fixed topology %d: %d a lane, %d lanes a group", id, plan.experts_per_lane,
           plan.lanes_per_group);
-    CHECK(gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group, t.topk,
-                                true) == id,
-          "fixed topology %d found", id);
-    CHECK(gt::fixed_topology_of(64, t.num_experts, t.num_expert_group, t.topk_group, t.topk,
-                                true) == 0 &&
-              gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group,
-                                    t.topk, false) == 0 &&
-              gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group,
-                                    t.topk + 1, true) == 0,
-          "fixed topology %d only on 32 lanes, sigmoid, its own topk", id);
+    const auto find = [&](int warp_size, int64_t topk, ScoringFunc scoring) {
+      return gt::fixed_topology_of(warp_size, t.num_experts, t.num_expert_group, t.topk_group,
+                                   topk, scoring, gt::kFixedTopologies);
+    };
+    const ScoringFunc other =
+        t.scoring_func == kSigmoid ? ScoringFunc::kSoftmax : kSigmoid;
+    CHECK(find(32, t.topk, t.scoring_func) == id, "fixed topology %d found", id);
+    CHECK(find(64, t.topk, t.scoring_func) == 0 && find(32, t.topk, other) == 0 &&
+              find(32, t.topk + 1, t.scoring_func) == 0,
+          "fixed topology %d only on 32 lanes, its scoring function, its own topk", id);
+    CHECK((gt::fixed_topology_of(32, t.num_experts, t.num_expert_group, t.topk_group, t.topk,
+                                 t.scoring_func) == id) == (id < gt::kCurrentFixedTopologies),
+          "fixed topology %d is the current kernel's exactly when below the current count", id);
   }
-  CHECK(gt::fixed_topology_of(32, 256, 8, 3, 8, true) == 0 &&
-            gt::fixed_topology_of(32, 160, 8, 3, 6, true) == 0,
+  CHECK(gt::fixed_topology_of(32, 256, 8, 3, 8, kSigmoid, gt::kFixedTopologies) == 0 &&
+            gt::fixed_topology_of(32, 160, 8, 3, 6, kSigmoid, gt::kFixedTopologies) == 0,
         "other topologies are none");
 }
 

@@ -97,8 +97,10 @@ bool gpu_programmatic_dependent_launch_supported();
 // so a CUDA graph keeps the variant that was set while it was captured.
 //   1: the kernel before the sorted lanes and the model gates' own instances
 //      (grouped_topk_warp.h, sorts_lanes; grouped_topk_plan.h, FixedTopology): an argmax
-//      round over every expert a lane holds, the weight sum over every lane.
-constexpr int kGpuRoutingVariants = 2;
+//      round over every expert a lane holds, the weight sum over every lane;
+//   2: the current kernel, with an instance of its own for more model gates (DeepSeek-V4-Flash
+//      and -Pro, a Nemotron-style 512 experts top 22; FixedTopology ids 3-5).
+constexpr int kGpuRoutingVariants = 3;
 namespace detail {
 // The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
 // completion count), one flag per binary
