@@ -81,9 +81,9 @@ MOEEXT_HOST_DEVICE constexpr int warp_kernel_min_blocks(int warp_size, int exper
 // The sorted-lanes kernel (sorts_lanes, grouped_topk_warp.h) asks for three blocks at 12
 // experts a lane in its sm_90 code (cuda_arch 900), the code an H200 runs: its weight sum took
 // ptxas from 80 registers to 89 there, two blocks a multiprocessor where the unsorted kernel
-// has three. Capped, it takes 80 and spills nothing; so it was timed against the kernel before
-// it. Other targets keep warp_kernel_min_blocks (on sm_100a the unsorted kernel takes 118
-// registers at 12 a lane: a cap there would raise occupancy).
+// has three. Capped, it takes 80 and spills nothing, and its A/B against the unsorted kernel
+// timed instructions at equal occupancy. Other targets keep warp_kernel_min_blocks (on sm_100a
+// the unsorted kernel takes 118 registers at 12 a lane: a cap there would raise occupancy).
 MOEEXT_HOST_DEVICE constexpr int sorted_lanes_min_blocks(int warp_size, int experts_per_lane,
                                                          int cuda_arch) {
   return cuda_arch == 900 && warp_size == 32 && experts_per_lane == 12
