@@ -10,8 +10,11 @@
 #       current kernels, bit for bit first (VARIANT_SUITES: routing_variant and routing_anatomy
 #       unless it names others, e.g. router_gemm_variant,fused_router_variant);
 #     [tests] moeext's GPU tests but the compile and export ones, 14 workers (about 150 s);
+#     peerspdl: the engines' comparison (bench_peers.py, the peers built above) again with
+#       moeext under PDL (MOEEXT_ENABLE_PDL=1), mode for mode against the engines' PDL launches;
 #     fused: benchmarks/python/bench_fused_router_peers.py, fused_router (the two kernels and
-#       the one launch) against every peer router GEMM + routing pair, with issue #53's verdicts;
+#       the one launch, fused router variant 3) against every peer router GEMM + routing pair,
+#       with issue #53's verdicts;
 #     bench: bench_cuda.py --quick, the routing options' overhead, the fused router's two
 #       forms, routing, moeext with PDL off and on.
 #   PART=2, on the machine still warm from part 1 (its build stays there; a fresh machine
@@ -34,7 +37,7 @@
 # It copies nothing: .gpu-peers/ (a copy of ../shared/gpu-peers) and .peer/ (the engines'
 # files, PEERS.md) must be in the checkout root and carried to the machine, on every call.
 #
-#   DEVICE_RUN_S=230 VARIANT_S=90 TESTS_S=160 FUSED_S=60 CUDA_BENCH_S=30              part 1
+#   DEVICE_RUN_S=230 VARIANT_S=90 TESTS_S=160 PEERS_PDL_S=60 FUSED_S=60 CUDA_BENCH_S=30  part 1
 #   PDL_S=45 COMPILE_S=120 WARP_OPS_S=25 AOTI_S=90 PROFILE_S=40                       part 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +105,15 @@ if [ "$PART" = 1 ]; then
   fi
 
   wants tests && gpu_tests pytest-gpu "${TESTS_S:-160}" "cuda and not compile and not export"
+
+  # The engines' comparison again with moeext launching under PDL, as vLLM's and FlashInfer's
+  # kernels launch (issue #51 compares mode for mode): its tables go to $OUT/pdl/.
+  if wants peerspdl; then
+    MOEEXT_ENABLE_PDL=1 timeout -k 10 "${PEERS_PDL_S:-60}" "$PY" .gpu-peers/bench_peers.py \
+      --moeext "$root/python" --out "$OUT/pdl" ${BENCH_ARGS---quick} > "$OUT/peers-pdl.log" 2>&1
+    el "bench_peers.py with MOEEXT_ENABLE_PDL=1: exit $? (peers-pdl.log, pdl/peers.md)"
+    sed -n '/^### /,/^Checks/p' "$OUT/pdl/peers.md" 2>/dev/null | cut -c1-150 | head -40
+  fi
 
   if wants fused; then
     timeout -k 10 "${FUSED_S:-60}" "$PY" benchmarks/python/bench_fused_router_peers.py \

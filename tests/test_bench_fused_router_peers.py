@@ -43,8 +43,9 @@ def _row(preset, tokens, fused_us, pairs, fused_equal=True, one_launch_equal=Tru
            "moeext_two_calls_us": fused_us + 1.0, "moeext_sum_us": fused_us + 2.0,
            "fused_equal": fused_equal, "one_launch_equal": one_launch_equal, "pairs": pairs,
            "best_pair": best, "verdict": bench.verdicts(tokens, fused_us, best_us), "notes": []}
-    if pdl is not None:  # fused, GEMM, routing with PDL
-        row["pdl_fused_us"], row["pdl_gemm_us"], row["pdl_routing_us"] = pdl
+    if pdl is not None:  # fused, its one launch, GEMM, routing with PDL
+        (row["pdl_fused_us"], row["pdl_one_launch_us"], row["pdl_gemm_us"],
+         row["pdl_routing_us"]) = pdl
     return row
 
 
@@ -85,7 +86,7 @@ def test_verdicts_at_and_around_the_limits():
 
 def test_the_report_marks_each_row_and_sums_up_each_preset():
     rows = [_row("deepseek-v3", 1, 2.5, {"vllm+flashinfer": _pair(4.0, 4.4, 2.0, 2.4)},
-                 pdl=(2.2, 1.0, 1.2)),
+                 pdl=(2.2, 2.1, 1.0, 1.2)),
             _row("deepseek-v3", 2, 3.2, {"vllm+flashinfer": _pair(4.0, 4.4),
                                          "cublas+vllm": _pair(4.5)}),
             _row("kimi-k2", 1, 3.5, {"vllm+vllm": _pair(4.0)}, fused_equal=False),
@@ -108,7 +109,8 @@ def test_the_report_marks_each_row_and_sums_up_each_preset():
     assert any(line.startswith("| kimi-k2 H=7168 T=2 (fused MISMATCH) |") for line in lines)
     # The PDL rows, for the rows that have them: moeext against the reference pair's kernels.
     pdl = [line for line in lines if line.startswith("| deepseek-v3 H=7168 T=1 | 2.20 |")]
-    assert pdl == ["| deepseek-v3 H=7168 T=1 | 2.20 | 1.00 | 2.00 | 0.50 | 1.20 | 2.40 | 0.50 |"]
+    assert pdl == ["| deepseek-v3 H=7168 T=1 | 2.20 | 2.10 | 1.00 | 2.00 | 0.50 | 1.20 | 2.40 "
+                   "| 0.50 |"]
     # Every pair has its own row in the pairs' table.
     assert sum(line.startswith("| deepseek-v3 H=7168 T=2 | ") for line in lines) == 3
 

@@ -1,7 +1,7 @@
 """The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
 the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
-for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, the fused router's one launch
-1-2), launches with programmatic dependent launch, the orders a block's threads run in, and the
+for a GPU's A/B (moeext/common.h: routing 1-2, router GEMM 1, the fused router's one launch
+1-3), launches with programmatic dependent launch, the orders a block's threads run in, and the
 routing property tests (test_grouped_topk.py's problems, drawn by hypothesis).
 
 None of these may change a bit: every result here is compared with torch.equal against variant
@@ -216,7 +216,8 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
     """SPEC section 7 on one device: the one launch gives the bits of router_gemm_gpu then
     biased_grouped_topk_gpu, whichever block finishes last, in both ways of counting and with
     either GEMM variant; the completion counter it shares with the next launch is back at zero
-    after each. Fused router variant 0 leaves the call to the two kernels."""
+    after each; variant 3 routes with the gate's own code (a single token by the whole last
+    block). Fused router variant 0 leaves the call to the two kernels."""
     p = PRESETS[preset]
     k = p.op_kwargs()
     hidden, weight = _gemm_inputs(num_tokens, p.num_experts, 1032)
@@ -240,7 +241,7 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
 
     assert not fused(outputs()), "variant 0: the two kernels"
     for gemm in (0, 1):
-        for count in (1, 2):
+        for count in (1, 2, 3):
             for order, code in ORDERS.items():
                 _configure(emu, order=code, gemm=gemm, fused=count, seed=gemm * 2 + count,
                            pdl=code == 1)
@@ -249,6 +250,47 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
                 _assert_same_bits(got, expected,
                                   f"GEMM variant {gemm}, fused variant {count}, {order} order")
                 assert int(counter) == 0
+    _configure(emu)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("row", ["random", "zeros", "nan", "inf", "twin-experts"])
+def test_fused_router_gate_block_is_the_two_kernels_on_ties_and_nan(emu, preset, with_bias, row):
+    """Fused router variant 3 at one token: the whole last block ranks a gate's experts in
+    parallel. A zero row ties every logit (and, without a bias, every expert and group: the
+    lowest ids win), a NaN row leaves every b at -inf, an inf in the input makes logits of
+    both infinities and NaN, and twin weight rows give pairs of equal logits; each must give
+    the two kernels' bits."""
+    p = PRESETS[preset]
+    k = p.op_kwargs()
+    hidden, weight = _gemm_inputs(1, p.num_experts, 264)
+    if row == "zeros":
+        hidden.zero_()
+    elif row == "nan":
+        hidden[0, 7] = float("nan")
+    elif row == "inf":
+        hidden[0, 3] = float("inf")
+    elif row == "twin-experts":
+        weight[1::2] = weight[0::2]
+    bias = 2 + 0.05 * torch.randn(p.num_experts) if with_bias else None
+    if with_bias and row == "twin-experts":
+        bias[1::2] = bias[0::2]
+    _configure(emu)
+    logits = torch.empty(1, p.num_experts)
+    assert emu.router_gemm(hidden, weight, logits)
+    expected = (*_route(emu, logits, bias, p), logits)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for order, code in ORDERS.items():
+        _configure(emu, order=code, fused=3, seed=code + 11, pdl=code == 1)
+        got = (torch.empty(1, k["topk"]), torch.empty(1, k["topk"], dtype=torch.int32),
+               torch.empty(1, p.num_experts))
+        assert emu.fused_router(hidden, weight, bias, *got, counter, k["num_expert_group"],
+                                k["topk_group"], k["topk"], k["renormalize"],
+                                k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
+                                None, None, None, None), "one launch takes this call"
+        _assert_same_bits(got, expected, f"fused variant 3, {order} order")
+        assert int(counter) == 0
     _configure(emu)
 
 

@@ -38,7 +38,8 @@ Baselines, measured in the same run on the same inputs:
                        for bit first, in each launch mode
   fused_router variant N
                        fused_router as it runs now (the two kernels): the one launch, counting
-                       its blocks with fences (1) or one acquire-release atomic (2)
+                       its blocks with fences (1) or one acquire-release atomic (2), or as 2
+                       with a gate's own routing, a single token by the whole last block (3)
                        (moeext::gpu_fused_router_variant), likewise
   router_gemm          F.linear in bf16 (cuBLAS, bf16 logits), F.linear on fp32 copies of
                        x and w (the upcast vLLM does for fp32 router logits), and
@@ -338,7 +339,7 @@ def routing_options(table, quick, tokens=None):
 
 ROUTING_VARIANTS = [1, 2]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
-FUSED_ROUTER_VARIANTS = [1, 2]  # moeext::gpu_fused_router_variant's, besides 0
+FUSED_ROUTER_VARIANTS = [1, 2, 3]  # moeext::gpu_fused_router_variant's, besides 0
 
 
 @contextlib.contextmanager
@@ -539,7 +540,8 @@ def router_gemm_variant_ab(table, quick, tokens=None):
 def fused_router_variant_ab(table, quick, tokens=None):
     """The fused router's one launch (moeext::gpu_fused_router_variant 1: every thread fences
     before its block counts itself done; 2: thread 0 counts the block with one acquire-release
-    atomic) against the two kernels plain calls run now."""
+    atomic; 3: as 2, with the gate's own routing, a single token by the whole last block)
+    against the two kernels plain calls run now."""
     gate_variant_ab(table, quick, tokens, fused_router_variant, FUSED_ROUTER_VARIANTS,
                     lambda bias, rest: {"fused_router": fused_router_call(bias, rest)},
                     "variant")

@@ -11,8 +11,11 @@ layers do), its smallest-kernel floor and its case lists. Rows:
 
   fused           moeext.fused_router as calls run it (moeext::gpu_fused_router_variant 0: the
                   two kernels, in one call)
-  one launch      the same with variant 1, the one-launch kernel, which these sizes take
-  moeext PDL      fused_router, router_gemm and biased_grouped_topk launched with programmatic
+  one launch      the same with the one-launch kernel, which these sizes take: fused router
+                  variant 3 (--one-launch-variant): the gate's own routing in the last block,
+                  a single token by all its threads, more by the gate's own warp instance
+  moeext PDL      fused_router (as calls run it, and its one launch), router_gemm and
+                  biased_grouped_topk launched with programmatic
                   dependent launch (where the device runs it), for the mode-for-mode rows
                   against vLLM's GEMM and FlashInfer's routing, which launch with it
   moeext          router_gemm then biased_grouped_topk, captured back to back, and the sum of
@@ -32,7 +35,8 @@ Run from the checkout root, after .gpu-peers/device_run.sh built moeext in place
 peers into ./build-peers (PEER_BUILD moves it):
 
     python benchmarks/python/bench_fused_router_peers.py [--peers .gpu-peers] [--moeext python]
-        [--out $OUT] [--quick] [--presets deepseek-v3,kimi-k2] [--dry-run]
+        [--out $OUT] [--quick] [--presets deepseek-v3,kimi-k2] [--one-launch-variant 3]
+        [--dry-run]
 """
 
 import argparse
@@ -49,6 +53,7 @@ T1_LIMIT_US = 3.0
 PAIR_RATIO_LIMIT = 0.7
 REFERENCE_PAIR = "vllm+flashinfer"  # the best pair of the 2026-11-28 baseline run
 N_CALLS = 64  # one gate weight per call: 64 x 3.7 MB (E = 256) is four times the H200's L2
+ONE_LAUNCH_VARIANT = 3  # moeext::gpu_fused_router_variant of the "one launch" rows (--one-launch-variant)
 
 
 def load_harness(peers_dir):
@@ -148,7 +153,8 @@ def markdown(rows, env):
              f"{_fmt(env.get('floor_us'))} us. Graph-replay device time per call (median of 5 "
              f"replays of {N_CALLS} calls, each its own gate weight), us. Targets (issue #53): "
              f"fused <= {T1_LIMIT_US} us at T=1 and <= {PAIR_RATIO_LIMIT}x the best pair "
-             "(back to back) at every T <= 16.", "",
+             "(back to back) at every T <= 16. One launch: fused router variant "
+             f"{env.get('one_launch_variant', '?')}.", "",
              "Peers: " + ", ".join(f"{k}: {v}" for k, v in env.get("peers", {}).items()), "",
              "## Verdicts", ""] + summary_lines(rows)
     head = ["case", "fused", "one launch", "moeext 2 calls", "moeext sum", "best pair",
@@ -200,13 +206,14 @@ def markdown(rows, env):
     if pdl:
         lines += ["", "## moeext with PDL, mode for mode (us; vLLM's router GEMM and FlashInfer's "
                   "routing launch with it)", "",
-                  "| case | fused | router_gemm | vllm GEMM | moeext / vllm | routing | "
-                  "flashinfer routing | moeext / flashinfer |", "|---|" + "---:|" * 7]
+                  "| case | fused | one launch | router_gemm | vllm GEMM | moeext / vllm | "
+                  "routing | flashinfer routing | moeext / flashinfer |", "|---|" + "---:|" * 8]
         for r in pdl:
             ref = r["pairs"].get(REFERENCE_PAIR, {})
             gemm, routing = ref.get("gemm_us"), ref.get("routing_us")
             lines.append("| " + " | ".join([
-                r["case"], _fmt(r["pdl_fused_us"]), _fmt(r["pdl_gemm_us"]), _fmt(gemm),
+                r["case"], _fmt(r["pdl_fused_us"]), _fmt(r.get("pdl_one_launch_us")),
+                _fmt(r["pdl_gemm_us"]), _fmt(gemm),
                 _fmt(r["pdl_gemm_us"] / gemm if gemm else None), _fmt(r["pdl_routing_us"]),
                 _fmt(routing), _fmt(r["pdl_routing_us"] / routing if routing else None)])
                 + " |")
@@ -244,7 +251,7 @@ def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
         return moeext.biased_grouped_topk(moeext.router_gemm(x, w), b, *route)
 
     def one_launch(x, w, b):
-        previous = moeext._C._set_gpu_fused_router_variant(1)
+        previous = moeext._C._set_gpu_fused_router_variant(ONE_LAUNCH_VARIANT)
         try:
             return moeext.fused_router(x, w, b, *route)
         finally:
@@ -272,8 +279,8 @@ def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
                                   for y, (_, _, b) in zip(logits, sets)], N_CALLS))
 
     row["fused_us"] = harness.graph_us(fused, N_CALLS)
-    row["one_launch_us"] = harness.graph_us(
-        [lambda x=x, w=w, b=b: one_launch(x, w, b) for x, w, b in sets], N_CALLS)
+    launched_once = [lambda x=x, w=w, b=b: one_launch(x, w, b) for x, w, b in sets]
+    row["one_launch_us"] = harness.graph_us(launched_once, N_CALLS)
     row["moeext_two_calls_us"] = harness.graph_us(ours, N_CALLS)
     row["moeext_gemm_us"], row["moeext_routing_us"] = each_kernel_us()
     row["moeext_sum_us"] = row["moeext_gemm_us"] + row["moeext_routing_us"]
@@ -281,6 +288,7 @@ def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
         previous = moeext.set_programmatic_dependent_launch(True)
         try:  # the mode is read at capture: graphs captured here keep it
             row["pdl_fused_us"] = harness.graph_us(fused, N_CALLS)
+            row["pdl_one_launch_us"] = harness.graph_us(launched_once, N_CALLS)
             row["pdl_gemm_us"], row["pdl_routing_us"] = each_kernel_us()
         finally:
             moeext.set_programmatic_dependent_launch(previous)
@@ -348,7 +356,8 @@ def summary_line(row):
 
 def dry_run(args, harness):
     print(f"harness: {Path(harness.__file__).resolve()}")
-    print(f"moeext path: {args.moeext}  out: {args.out}  quick: {args.quick}")
+    print(f"moeext path: {args.moeext}  out: {args.out}  quick: {args.quick}  one launch: "
+          f"fused router variant {ONE_LAUNCH_VARIANT}")
     todo = cases(harness, args.quick, args.presets)
     print(f"cases ({len(todo)}), H={harness.HIDDEN}, {N_CALLS} calls per graph:")
     for preset, tokens in todo:
@@ -372,6 +381,7 @@ def dry_run(args, harness):
 
 
 def main(argv=None):
+    global ONE_LAUNCH_VARIANT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default=".gpu-peers",
                         help="the copy of shared/gpu-peers to import bench_peers.py from")
@@ -382,9 +392,13 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the harness's quick token counts")
     parser.add_argument("--presets", default=None, type=lambda s: s.split(","),
                         help="comma-separated subset of deepseek-v3,kimi-k2")
+    parser.add_argument("--one-launch-variant", type=int, default=ONE_LAUNCH_VARIANT,
+                        choices=[1, 2, 3],
+                        help="moeext::gpu_fused_router_variant of the one-launch rows")
     parser.add_argument("--dry-run", action="store_true",
                         help="import the harness and moeext, list the cases; no CUDA")
     args = parser.parse_args(argv)
+    ONE_LAUNCH_VARIANT = args.one_launch_variant
     harness = load_harness(args.peers)
     if args.presets:
         unknown = sorted(set(args.presets) - set(harness.ROUTING))
@@ -408,6 +422,7 @@ def main(argv=None):
     has_out_dtype = mm_has_out_dtype()
     props = torch.cuda.get_device_properties(0)
     env = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+           "one_launch_variant": ONE_LAUNCH_VARIANT,
            "cuda": torch.version.cuda, "peers": status, "floor_us": harness.kernel_floor_us(),
            "harness": str(Path(harness.__file__).resolve())}
     print(f"# {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; smallest "

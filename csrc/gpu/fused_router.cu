@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "gpu/compat.h"
+#include "gpu/grouped_topk_gate_block.h"
 #include "gpu/grouped_topk_plan.h"
 #include "gpu/grouped_topk_warp.h"
 #include "gpu/router_gemm_block.h"
@@ -71,15 +72,21 @@ __device__ __forceinline__ bool finished_last(unsigned* counter, unsigned blocks
 }
 
 // One instance per (tokens, warp width, experts per lane, bias dtype, options, and for plain
-// calls whether the blocks prefetch their weight rows, prefetches_weight_rows, and the
-// completion count's variant, moeext::gpu_fused_router_variant 2); the input is bfloat16 and
-// the logits fp32.
+// calls whether the blocks prefetch their weight rows, prefetches_weight_rows, the
+// completion count's variant, moeext::gpu_fused_router_variant 2, and kGateTopology); the
+// input is bfloat16 and the logits fp32.
+// kGateTopology: 0, the last block's warps route a token each; or a FixedTopology id, the
+// gate's own routing (variant 3): a single token with all the last block's threads
+// (route_tokens_per_block), more with the warp kernel's own instance of the gate.
 // Instances for a warp width other than the target's, or for a width and experts_per_lane
 // with no warp routing kernel, compile to an empty body.
 template <int kTokens, int kWarpSize, int V, typename BiasT, bool kOptions, int kPrefetch = 0,
-          int kCounterVariant = 0>
+          int kCounterVariant = 0, int kGateTopology = 0>
 __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
     fused_router_kernel(const FusedArgs args) {
+  static_assert(kGateTopology == 0 || (kThreads == gpu::grouped_topk::kGateBlockThreads &&
+                                       kWarpSize == 32 && !kOptions),
+                "a gate's own routing: plain calls, the GEMM's 256 threads as 32-lane warps");
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE && routes_in_one_launch(kWarpSize, V)) {
     if constexpr (kPrefetch == 1) {
       gpu::router_gemm::prefetch_weight_rows<kTokens, gpu::bf16>(
@@ -93,7 +100,12 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
     gpu::router_gemm::compute_logits_block<kTokens, kWarpSize, gpu::bf16, float>(
         args.gemm, int(gpu::grouped_topk::block_index()));
     if (!finished_last<kCounterVariant>(args.counter, args.blocks)) return;
-    gpu::grouped_topk::route_tokens_per_warp<kWarpSize, V, float, BiasT, kOptions>(args.routing);
+    if constexpr (kGateTopology != 0 && kTokens == 1) {
+      gpu::grouped_topk::route_tokens_per_block<kGateTopology, BiasT>(args.routing);
+    } else {
+      gpu::grouped_topk::route_tokens_per_warp<kWarpSize, V, float, BiasT, kOptions, 0,
+                                               kGateTopology>(args.routing);
+    }
   } else {
     (void)args;  // never launched for this target
   }
@@ -117,6 +129,48 @@ Kernel pick_options(bool options, PlainVariants plain) {
     case 3: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false, 1, 1>;
     default: return fused_router_kernel<kTokens, kWarpSize, V, BiasT, false>;
   }
+}
+
+// Variant 3's instances: 32-lane warps, a gate of the warp kernel's own instances (whose
+// experts per lane fill the warp), counted as variant 2 counts.
+template <int kTokens, int kTopology, typename BiasT>
+Kernel pick_gate_prefetch(int prefetch) {
+  constexpr int V = gpu::grouped_topk::fixed_topology(kTopology).num_experts / 32;
+  return prefetch == 1 ? fused_router_kernel<kTokens, 32, V, BiasT, false, 1, 1, kTopology>
+                       : fused_router_kernel<kTokens, 32, V, BiasT, false, 0, 1, kTopology>;
+}
+
+template <int kTokens>
+Kernel pick_gate_topology(int topology, bool bias, int prefetch) {
+  switch (topology) {
+    case 1: {
+      return bias ? pick_gate_prefetch<kTokens, 1, float>(prefetch)
+                  : pick_gate_prefetch<kTokens, 1, NoBias>(prefetch);
+    }
+    case 2: {
+      return bias ? pick_gate_prefetch<kTokens, 2, float>(prefetch)
+                  : pick_gate_prefetch<kTokens, 2, NoBias>(prefetch);
+    }
+    default: return nullptr;
+  }
+}
+
+Kernel pick_gate(int token_tile, int topology, bool bias, int prefetch) {
+  switch (token_tile) {
+    case 1: return pick_gate_topology<1>(topology, bias, prefetch);
+    case 2: return pick_gate_topology<2>(topology, bias, prefetch);
+    case 4: return pick_gate_topology<4>(topology, bias, prefetch);
+    case 8: return pick_gate_topology<8>(topology, bias, prefetch);
+    case 16: return pick_gate_topology<16>(topology, bias, prefetch);
+    default: return nullptr;
+  }
+}
+
+// The gate whose plain calls variant 3 routes with its own code: one of the warp kernel's own
+// instances (kCurrentFixedTopologies) on 32-lane warps; 0 for any other.
+int gate_topology(const BiasedGroupedTopkParams& r, int warp_size) {
+  return gpu::grouped_topk::fixed_topology_of(warp_size, r.num_experts, r.num_expert_group,
+                                              r.topk_group, r.topk, r.scoring_func);
 }
 
 template <int kTokens, int kWarpSize, int V>
@@ -225,12 +279,18 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
   const bool bias = r.correction_bias != nullptr;
   const bool options = r.options.any();
   // Plain calls only, as router_gemm's kernel decides the prefetch.
+  const int variant = gpu_fused_router_variant();
   const PlainVariants plain{gpu::router_gemm::prefetches_weight_rows(params.gemm) ? 1 : 0,
-                            gpu_fused_router_variant() == 2 ? 1 : 0};
-  const Kernel kernel =
-      warp_size == 64
-          ? pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options, plain)
-          : pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options, plain);
+                            variant >= 2 ? 1 : 0};
+  const int gate = variant == 3 && !options ? gate_topology(r, warp_size) : 0;
+  Kernel kernel = nullptr;
+  if (gate != 0) {
+    kernel = pick_gate(token_tile, gate, bias, plain.prefetch);
+  } else if (warp_size == 64) {
+    kernel = pick_tokens<64>(token_tile, plan.experts_per_lane, bias, options, plain);
+  } else {
+    kernel = pick_tokens<32>(token_tile, plan.experts_per_lane, bias, options, plain);
+  }
   if (kernel == nullptr) return "fused_router_gpu: no kernel instance for these params";
   const int64_t smem_bytes = gpu::grouped_topk::fast_smem_bytes(plan, r.num_experts, warps);
   return gpu::launch_dependent(kernel, dim3(args.blocks), dim3(kThreads), size_t(smem_bytes),

@@ -197,6 +197,23 @@ __device__ __forceinline__ void score_lane(ScoringFunc scoring_func, int first, 
   }
 }
 
+// The sum of lanes [0, topk)'s weights, added in lane order (the winning order, the CPU's
+// summation order), in every lane: runs of 8 independent shuffles, none past topk.
+template <int kWarpSize>
+__device__ __forceinline__ float sum_of_first_lanes(float weight, int topk) {
+  float sum = 0.0f;
+  for (int run = 0; run < topk; run += 8) {
+    float w[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) w[u] = shfl(weight, (run + u) % kWarpSize);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (run + u < topk) sum += w[u];
+    }
+  }
+  return sum;
+}
+
 // kVariant: 0 the current kernel, or one of the variants of moeext::gpu_routing_variant (the
 // same bits by other instructions, kept beside it for A/B timing).
 // kTopology: 0, or the id of the call's FixedTopology (grouped_topk_plan.h): the instance of a
@@ -345,17 +362,9 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // Every lane adds the weights in winning order, the CPU's summation order.
     float sum = 0.0f;
     if constexpr (sorts_lanes(kVariant, V)) {
-      // Lanes [0, topk) only, in runs of 8 independent shuffles: the same additions in the
-      // same order, without the kWarpSize - topk shuffles and selects past topk.
-      for (int run = 0; run < topk; run += 8) {
-        float w[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) w[u] = shfl(chosen_weight, (run + u) % kWarpSize);
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (run + u < topk) sum += w[u];
-        }
-      }
+      // Lanes [0, topk) only: the same additions in the same order, without the
+      // kWarpSize - topk shuffles and selects past topk.
+      sum = sum_of_first_lanes<kWarpSize>(chosen_weight, topk);
     } else {
       // All kWarpSize shuffles, unrolled and independent; a loop to topk waits on each.
 #pragma unroll

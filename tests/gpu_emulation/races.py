@@ -104,10 +104,11 @@ def fused_router(module, ops):
             x = torch.randn(num_tokens, 1032, generator=g).bfloat16()
             w = (0.05 * torch.randn(p.num_experts, 1032, generator=g)).bfloat16()
             bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)) if p.has_bias else None
-            # Fused router variants 1 and 2: the one launch, counting either way (0 runs the
-            # two kernels, which the checks above cover).
+            # Fused router variants 1-3: the one launch, counting either way, and the gate's own
+            # routing, one token by the whole last block (0 runs the two kernels, which the
+            # checks above cover).
             for gemm in (0, 1):
-                for count in (1, 2):
+                for count in (1, 2, 3):
                     _configure(module, gemm=gemm, fused=count, order=gemm + count - 1,
                                pdl=count == 2)
                     before = ops.launches
@@ -118,7 +119,7 @@ def fused_router(module, ops):
             before = ops.launches
             ops.fused_router(x, w, bias, **k, **options, return_logits=True)
             assert ops.launches == before + 1
-        print(f"fused router {name}: the one launch, GEMM and count variants, options",
+        print(f"fused router {name}: the one launch, GEMM and fused variants, options",
               flush=True)
 
 

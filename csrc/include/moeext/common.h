@@ -145,8 +145,12 @@ inline int set_gpu_router_gemm_variant(int variant) {  // as set_gpu_routing_var
 //      block after the count (fused_router.cu, kCounterVariant 0);
 //   2: the one launch, each block's threads meeting at a barrier and thread 0 counting the
 //      block with one acquire-release atomic (kCounterVariant 1; plain calls only, a call
-//      with options counts as 1 does).
-constexpr int kGpuFusedRouterVariants = 3;
+//      with options counts as 1 does);
+//   3: as 2, and a plain call of a gate with its own warp kernel instance (DeepSeek-V3/R1,
+//      Kimi-K2) routed by the gate's own code: a single token by all the last block's
+//      threads, ranks counted in parallel in place of one warp's argmax rounds
+//      (grouped_topk_gate_block.h), more tokens by that instance; other calls as 2.
+constexpr int kGpuFusedRouterVariants = 4;
 inline int gpu_fused_router_variant() {
   return detail::variant_flag<2>().load(std::memory_order_relaxed);
 }

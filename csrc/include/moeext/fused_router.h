@@ -26,7 +26,7 @@ struct FusedRouterParams {
 // and then biased_grouped_topk_gpu.
 bool fused_router_gpu_supported(const FusedRouterParams& params);
 
-// Whether a call runs as one launch: gpu_fused_router_variant() asks for it (1 or 2; 0 runs
+// Whether a call runs as one launch: gpu_fused_router_variant() asks for it (1 to 3; 0 runs
 // the two kernels) and fused_router_gpu_supported(params).
 inline bool fused_router_gpu_takes(const FusedRouterParams& params) {
   return gpu_fused_router_variant() != 0 && fused_router_gpu_supported(params);
@@ -36,8 +36,9 @@ inline bool fused_router_gpu_takes(const FusedRouterParams& params) {
 // logits router_gemm_gpu writes: every block computes a slice of the experts' logits into
 // params.gemm.logits, and the last block to finish (params.completion_counter) routes every
 // token. Needs fused_router_gpu_supported(params) and a counter; a plain call counts as
-// gpu_fused_router_variant() 2 says, any other as 1 (whatever the variant: tests launch it
-// directly).
+// gpu_fused_router_variant() 2 or 3 says, any other as 1, and under variant 3 a plain call
+// of DeepSeek-V3's or Kimi-K2's gate is routed by the gate's own code (a single token by the
+// whole last block) (whatever the variant: tests launch it directly).
 GpuError fused_router_gpu(const FusedRouterParams& params, void* stream);
 
 // A completion counter for fused_router_gpu on `stream` of the current device: the same one
