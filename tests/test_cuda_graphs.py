@@ -253,7 +253,8 @@ class FusedRouter:
     on the GPU on the replay's inputs; with the options, the count and record buffers too.
     ``fused_variant`` (moeext::gpu_fused_router_variant) is set while the graph is captured:
     0 the two kernels, 1 the one launch (its completion counter must be back at zero for every
-    replay)."""
+    replay), 3 the one launch with the gate's own routing (a single token by the whole last
+    block)."""
 
     def __init__(self, preset, num_tokens, options=False, fused_variant=1):
         self.preset = PRESETS[preset]
@@ -261,7 +262,8 @@ class FusedRouter:
         self.options = options
         self.fused_variant = fused_variant
         self.name = (f"fused_router-{preset}-T{num_tokens}" + ("-options" if options else "")
-                     + ("-one-launch" if fused_variant else "-two-kernels"))
+                     + ("-two-kernels" if fused_variant == 0 else "-one-launch")
+                     + ("" if fused_variant in (0, 1) else f"-variant{fused_variant}"))
 
     def make(self, seed):
         p = self.preset
@@ -420,6 +422,8 @@ CASES = [
     FusedRouter("kimi-k2", 3), FusedRouter("kimi-k2", 16),
     FusedRouter("deepseek-v3", 1, fused_variant=0),
     FusedRouter("deepseek-v3", 16, options=True, fused_variant=0),
+    FusedRouter("deepseek-v3", 1, fused_variant=3), FusedRouter("kimi-k2", 1, fused_variant=3),
+    FusedRouter("kimi-k2", 3, fused_variant=3),
     ZeroTail(), ZeroTailTracked(),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True), ShuffleWeight(torch.bfloat16, False),
     ShuffleWeight(torch.float4_e2m1fn_x2, gate_up=True, inverse=True),

@@ -31,7 +31,7 @@ def pdl(enabled):
 
 def fused_variant(variant):
     """How fused_router calls run (moeext::gpu_fused_router_variant): 0 the two kernels, 1 the
-    one launch."""
+    one launch, 3 the one launch with the gate's own routing."""
     return switched(moeext._C._set_gpu_fused_router_variant, variant)
 
 
@@ -235,7 +235,7 @@ def test_router_gemm_is_the_same_bits_both_ways(gpu, num_tokens, out_dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("variant", [0, 1], ids=["two-kernels", "one-launch"])
+@pytest.mark.parametrize("variant", [0, 1, 3], ids=["two-kernels", "one-launch", "one-launch-gate"])
 @pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2", "nemotron-style"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 16])
 def test_fused_router_is_the_same_bits_both_ways(gpu, preset, num_tokens, variant):
@@ -305,7 +305,7 @@ def _capture(fn, device):
 
 
 @gpu_only
-@pytest.mark.parametrize("variant", [0, 1], ids=["two-kernels", "one-launch"])
+@pytest.mark.parametrize("variant", [0, 1, 3], ids=["two-kernels", "one-launch", "one-launch-gate"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_a_graph_captured_with_pdl_replays_correctly(gpu, num_tokens, variant):
     """One graph captured with PDL on holds the dependent chain and fused_router twice in a

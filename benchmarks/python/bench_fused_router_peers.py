@@ -53,7 +53,8 @@ T1_LIMIT_US = 3.0
 PAIR_RATIO_LIMIT = 0.7
 REFERENCE_PAIR = "vllm+flashinfer"  # the best pair of the 2026-11-28 baseline run
 N_CALLS = 64  # one gate weight per call: 64 x 3.7 MB (E = 256) is four times the H200's L2
-ONE_LAUNCH_VARIANT = 3  # moeext::gpu_fused_router_variant of the "one launch" rows (--one-launch-variant)
+# moeext::gpu_fused_router_variant of the "one launch" rows (--one-launch-variant).
+ONE_LAUNCH_VARIANT = 3
 
 
 def load_harness(peers_dir):

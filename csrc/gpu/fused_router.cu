@@ -33,6 +33,17 @@ using gpu::grouped_topk::KernelArgs;
 using gpu::grouped_topk::NoBias;
 using gpu::router_gemm::kThreads;
 
+// The bias registers of an instance that routes with the whole block (load_gate_bias), 1 for
+// any other (unused).
+template <int kTopology, bool kGateBlock>
+MOEEXT_HOST_DEVICE constexpr int gate_bias_slots() {
+  if constexpr (kGateBlock) {
+    return gpu::grouped_topk::GateBlockShape<kTopology, kThreads>::kPerThread;
+  } else {
+    return 1;
+  }
+}
+
 // The one launch routes with the warp kernel's instances up to 512 experts; wider gates run
 // the two kernels. (The warp kernel goes to 1024: its wider instances here would add as many
 // kernels again to this file's build, for gates not yet timed on a GPU.)
@@ -97,11 +108,17 @@ __global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(k
     // still be reading logits where this one writes its own.
     gpu::wait_for_prior_grids();
     gpu::allow_dependent_grids();
+    constexpr bool kGateBlock = kGateTopology != 0 && kTokens == 1;
+    // Read by every block (the last one is not known yet), its latency under the GEMM's.
+    [[maybe_unused]] float gate_bias[gate_bias_slots<kGateTopology, kGateBlock>()];
+    if constexpr (kGateBlock) {
+      gpu::grouped_topk::load_gate_bias<kGateTopology, BiasT>(args.routing, gate_bias);
+    }
     gpu::router_gemm::compute_logits_block<kTokens, kWarpSize, gpu::bf16, float>(
         args.gemm, int(gpu::grouped_topk::block_index()));
     if (!finished_last<kCounterVariant>(args.counter, args.blocks)) return;
-    if constexpr (kGateTopology != 0 && kTokens == 1) {
-      gpu::grouped_topk::route_tokens_per_block<kGateTopology, BiasT>(args.routing);
+    if constexpr (kGateBlock) {
+      gpu::grouped_topk::route_tokens_per_block<kGateTopology, BiasT>(args.routing, gate_bias);
     } else {
       gpu::grouped_topk::route_tokens_per_warp<kWarpSize, V, float, BiasT, kOptions, 0,
                                                kGateTopology>(args.routing);

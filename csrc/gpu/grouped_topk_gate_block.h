@@ -56,10 +56,32 @@ struct GateBlockShape {
                 "a group is a power-of-two run of one warp's lanes");
 };
 
-// Routes every token of args.p (a plain call of a gate of fixed_topology(kTopology), its
-// logits fp32) with the kThreads threads of the block; every thread of the block calls it.
+// The bias of this thread's experts (none without one), as route_tokens_per_block takes it.
+// The fused router's blocks each read it before their share of the GEMM, so that the block
+// that finishes last has it in registers and no load of it lies on the path after the count.
 template <int kTopology, typename BiasT, int kThreads = kGateBlockThreads>
-__device__ __forceinline__ void route_tokens_per_block(const KernelArgs& args) {
+__device__ __forceinline__ void load_gate_bias(
+    const KernelArgs& args, float (&bias)[GateBlockShape<kTopology, kThreads>::kPerThread]) {
+  using Shape = GateBlockShape<kTopology, kThreads>;
+  if constexpr (!std::is_same_v<BiasT, NoBias>) {
+    const int tid = thread_index();
+    if (tid < Shape::kActiveThreads) {
+      load_experts<Shape::kPerThread>(static_cast<const BiasT*>(args.p.correction_bias),
+                                      args.p.bias_stride, tid * Shape::kPerThread,
+                                      Shape::kExperts, bias);
+    }
+  } else {
+    (void)args;
+    (void)bias;
+  }
+}
+
+// Routes every token of args.p (a plain call of a gate of fixed_topology(kTopology), its
+// logits fp32) with the kThreads threads of the block, `bias` from load_gate_bias; every
+// thread of the block calls it.
+template <int kTopology, typename BiasT, int kThreads = kGateBlockThreads>
+__device__ __forceinline__ void route_tokens_per_block(
+    const KernelArgs& args, const float (&bias)[GateBlockShape<kTopology, kThreads>::kPerThread]) {
   using Shape = GateBlockShape<kTopology, kThreads>;
   constexpr int kWarpSize = Shape::kWarpSize;
   constexpr int V = Shape::kPerThread;
@@ -82,14 +104,6 @@ __device__ __forceinline__ void route_tokens_per_block(const KernelArgs& args) {
   const int warp = tid / kWarpSize;
   const int first = tid * V;  // this thread's experts: [first, first + V)
   const bool holds_experts = tid < Shape::kActiveThreads;  // whole warps
-
-  float bias[V];
-  if constexpr (kHasBias) {
-    if (holds_experts) {
-      load_experts<V>(static_cast<const BiasT*>(p.correction_bias), p.bias_stride, first,
-                      Shape::kExperts, bias);
-    }
-  }
 
   for (int64_t token = 0; token < p.num_tokens; ++token) {
     // s, and b's ordered bits (0: out of play), as route_tokens_per_warp computes them.
