@@ -15,8 +15,8 @@ layers do), its smallest-kernel floor and its case lists. Rows:
                   variant 3 (--one-launch-variant): the gate's own routing in the last block,
                   a single token by all its threads, more by the gate's own warp instance
   moeext PDL      fused_router (as calls run it, and its one launch), router_gemm and
-                  biased_grouped_topk launched with programmatic
-                  dependent launch (where the device runs it), for the mode-for-mode rows
+                  biased_grouped_topk launched with programmatic dependent launch (where
+                  the device runs it), for the mode-for-mode rows
                   against vLLM's GEMM and FlashInfer's routing, which launch with it
   moeext          router_gemm then biased_grouped_topk, captured back to back, and the sum of
                   the two timed alone
@@ -53,8 +53,8 @@ T1_LIMIT_US = 3.0
 PAIR_RATIO_LIMIT = 0.7
 REFERENCE_PAIR = "vllm+flashinfer"  # the best pair of the 2026-11-28 baseline run
 N_CALLS = 64  # one gate weight per call: 64 x 3.7 MB (E = 256) is four times the H200's L2
-# moeext::gpu_fused_router_variant of the "one launch" rows (--one-launch-variant).
-ONE_LAUNCH_VARIANT = 3
+# moeext::gpu_fused_router_variant of the "one launch" rows, unless --one-launch-variant says.
+DEFAULT_ONE_LAUNCH_VARIANT = 3
 
 
 def load_harness(peers_dir):
@@ -235,7 +235,7 @@ def compare_pair(harness, ref, got):
     return bad, int(reordered.sum()), wdiff
 
 
-def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
+def measure_case(harness, moeext, status, has_out_dtype, preset, tokens, one_launch_variant):
     import torch
     num_experts, groups, topk_group, topk, scale = harness.ROUTING[preset]
     hidden = harness.HIDDEN
@@ -252,7 +252,7 @@ def measure_case(harness, moeext, status, has_out_dtype, preset, tokens):
         return moeext.biased_grouped_topk(moeext.router_gemm(x, w), b, *route)
 
     def one_launch(x, w, b):
-        previous = moeext._C._set_gpu_fused_router_variant(ONE_LAUNCH_VARIANT)
+        previous = moeext._C._set_gpu_fused_router_variant(one_launch_variant)
         try:
             return moeext.fused_router(x, w, b, *route)
         finally:
@@ -358,7 +358,7 @@ def summary_line(row):
 def dry_run(args, harness):
     print(f"harness: {Path(harness.__file__).resolve()}")
     print(f"moeext path: {args.moeext}  out: {args.out}  quick: {args.quick}  one launch: "
-          f"fused router variant {ONE_LAUNCH_VARIANT}")
+          f"fused router variant {args.one_launch_variant}")
     todo = cases(harness, args.quick, args.presets)
     print(f"cases ({len(todo)}), H={harness.HIDDEN}, {N_CALLS} calls per graph:")
     for preset, tokens in todo:
@@ -382,7 +382,6 @@ def dry_run(args, harness):
 
 
 def main(argv=None):
-    global ONE_LAUNCH_VARIANT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default=".gpu-peers",
                         help="the copy of shared/gpu-peers to import bench_peers.py from")
@@ -393,13 +392,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the harness's quick token counts")
     parser.add_argument("--presets", default=None, type=lambda s: s.split(","),
                         help="comma-separated subset of deepseek-v3,kimi-k2")
-    parser.add_argument("--one-launch-variant", type=int, default=ONE_LAUNCH_VARIANT,
+    parser.add_argument("--one-launch-variant", type=int, default=DEFAULT_ONE_LAUNCH_VARIANT,
                         choices=[1, 2, 3],
                         help="moeext::gpu_fused_router_variant of the one-launch rows")
     parser.add_argument("--dry-run", action="store_true",
                         help="import the harness and moeext, list the cases; no CUDA")
     args = parser.parse_args(argv)
-    ONE_LAUNCH_VARIANT = args.one_launch_variant
     harness = load_harness(args.peers)
     if args.presets:
         unknown = sorted(set(args.presets) - set(harness.ROUTING))
@@ -423,7 +421,7 @@ def main(argv=None):
     has_out_dtype = mm_has_out_dtype()
     props = torch.cuda.get_device_properties(0)
     env = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "one_launch_variant": ONE_LAUNCH_VARIANT,
+           "one_launch_variant": args.one_launch_variant,
            "cuda": torch.version.cuda, "peers": status, "floor_us": harness.kernel_floor_us(),
            "harness": str(Path(harness.__file__).resolve())}
     print(f"# {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; smallest "
@@ -434,7 +432,8 @@ def main(argv=None):
     rows = []
     for preset, tokens in cases(harness, args.quick, args.presets):
         try:
-            row = measure_case(harness, moeext, status, has_out_dtype, preset, tokens)
+            row = measure_case(harness, moeext, status, has_out_dtype, preset, tokens,
+                               args.one_launch_variant)
             rows.append(row)
             print(summary_line(row), flush=True)
         except Exception:  # noqa: BLE001 -- the other cases still run
