@@ -211,6 +211,15 @@ FUSED_CASES = [(preset, t) for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4
                for t in (1, 3, 8, 16) if (preset, t) != ("kimi-k2", 16)]
 
 
+def _fused_router(emu, hidden, weight, bias, got, counter, k):
+    """The emulated fused_router launcher on a preset's plain routing (k: op_kwargs) into the
+    outputs `got` (weights, ids, logits); whether the one launch took the call."""
+    return emu.fused_router(hidden, weight, bias, *got, counter, k["num_expert_group"],
+                            k["topk_group"], k["topk"], k["renormalize"],
+                            k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0, None,
+                            None, None, None)
+
+
 @pytest.mark.parametrize("preset,num_tokens", FUSED_CASES)
 def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset, num_tokens):
     """SPEC section 7 on one device: the one launch gives the bits of router_gemm_gpu then
@@ -234,10 +243,7 @@ def test_fused_router_is_the_two_kernels_in_every_variant_and_order(emu, preset,
                 torch.empty(num_tokens, p.num_experts))
 
     def fused(got):
-        return emu.fused_router(hidden, weight, bias, *got, counter, k["num_expert_group"],
-                                k["topk_group"], k["topk"], k["renormalize"],
-                                k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
-                                None, None, None, None)
+        return _fused_router(emu, hidden, weight, bias, got, counter, k)
 
     assert not fused(outputs()), "variant 0: the two kernels"
     for gemm in (0, 1):
@@ -285,10 +291,8 @@ def test_fused_router_gate_block_is_the_two_kernels_on_ties_and_nan(emu, preset,
         _configure(emu, order=code, fused=3, seed=code + 11, pdl=code == 1)
         got = (torch.empty(1, k["topk"]), torch.empty(1, k["topk"], dtype=torch.int32),
                torch.empty(1, p.num_experts))
-        assert emu.fused_router(hidden, weight, bias, *got, counter, k["num_expert_group"],
-                                k["topk_group"], k["topk"], k["renormalize"],
-                                k["routed_scaling_factor"], SCORING[k["scoring_func"]], 0, 1.0,
-                                None, None, None, None), "one launch takes this call"
+        assert _fused_router(emu, hidden, weight, bias, got, counter, k), \
+            "one launch takes this call"
         _assert_same_bits(got, expected, f"fused variant 3, {order} order")
         assert int(counter) == 0
     _configure(emu)
