@@ -5,7 +5,9 @@
 // exactly as router_gemm.cu's kernel does (the same function, router_gemm_block.h), then
 // counts itself done on a completion counter; the block that counts last sees every logit
 // and routes all the tokens, a token per warp, with the warp routing kernel's own function
-// (grouped_topk_warp.h). So the ids and weights are those of router_gemm_gpu then
+// (grouped_topk_warp.h). In fused router variant 3 a plain call of a gate with its own warp
+// kernel instance routes with that instance, and a single token with the whole last block
+// (grouped_topk_gate_block.h). So the ids and weights are those of router_gemm_gpu then
 // biased_grouped_topk_gpu, bit for bit; what goes is the second launch and the time between
 // the two kernels.
 //
@@ -183,13 +185,6 @@ Kernel pick_gate(int token_tile, int topology, bool bias, int prefetch) {
   }
 }
 
-// The gate whose plain calls variant 3 routes with its own code: one of the warp kernel's own
-// instances (kCurrentFixedTopologies) on 32-lane warps; 0 for any other.
-int gate_topology(const BiasedGroupedTopkParams& r, int warp_size) {
-  return gpu::grouped_topk::fixed_topology_of(warp_size, r.num_experts, r.num_expert_group,
-                                              r.topk_group, r.topk, r.scoring_func);
-}
-
 template <int kTokens, int kWarpSize, int V>
 Kernel pick_bias(bool bias, bool options, PlainVariants plain) {
   return bias ? pick_options<kTokens, kWarpSize, V, float>(options, plain)
@@ -299,7 +294,10 @@ GpuError fused_router_gpu(const FusedRouterParams& params, void* stream) {
   const int variant = gpu_fused_router_variant();
   const PlainVariants plain{gpu::router_gemm::prefetches_weight_rows(params.gemm) ? 1 : 0,
                             variant >= 2 ? 1 : 0};
-  const int gate = variant == 3 && !options ? gate_topology(r, warp_size) : 0;
+  // Variant 3: a plain call of a gate with its own warp kernel instance routes with that
+  // gate's code.
+  const int gate =
+      variant == 3 && !options ? gpu::grouped_topk::fixed_topology_for(r, warp_size) : 0;
   Kernel kernel = nullptr;
   if (gate != 0) {
     kernel = pick_gate(token_tile, gate, bias, plain.prefetch);

@@ -22,14 +22,6 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The id below id_end of the FixedTopology whose instance of the warp kernel routes `p` on
-// warps of `warp_size` lanes, or 0 (fixed_topology_of).
-inline int fixed_topology_for(const BiasedGroupedTopkParams& p, int warp_size,
-                              int id_end = kCurrentFixedTopologies) {
-  return fixed_topology_of(warp_size, p.num_experts, p.num_expert_group, p.topk_group, p.topk,
-                           p.scoring_func, id_end);
-}
-
 // The model gate's instance (FixedTopology id kTopology) of warp kernel variant kVariant, where
 // the plan gives it its lanes.
 template <typename LogitT, typename BiasT, int kVariant, int kTopology>

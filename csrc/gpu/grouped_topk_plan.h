@@ -162,6 +162,13 @@ inline int fixed_topology_of(int warp_size, int64_t num_experts, int64_t num_exp
   return 0;
 }
 
+// The id below id_end of the FixedTopology of the call `p` on warps of `warp_size` lanes, or 0.
+inline int fixed_topology_for(const BiasedGroupedTopkParams& p, int warp_size,
+                              int id_end = kCurrentFixedTopologies) {
+  return fixed_topology_of(warp_size, p.num_experts, p.num_expert_group, p.topk_group, p.topk,
+                           p.scoring_func, id_end);
+}
+
 // Dynamic shared memory of the fast kernel: b of each warp's token, for group scoring.
 MOEEXT_HOST_DEVICE inline int64_t fast_smem_bytes(const FastPathPlan& plan, int64_t num_experts,
                                                   int64_t warps_per_block) {
