@@ -1,6 +1,6 @@
 """The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
 the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
-for a GPU's A/B (moeext/common.h: routing 1-2, router GEMM 1, the fused router's one launch
+for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, the fused router's one launch
 1-3), launches with programmatic dependent launch, the orders a block's threads run in, and the
 routing property tests (test_grouped_topk.py's problems, drawn by hypothesis).
 
@@ -164,11 +164,104 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     _configure(emu)
     expected = _route(emu, logits, bias, p)
     assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
-    for variant in range(3):
+    for variant in (0, 1, 2, 4):
         for order, code in ORDERS.items():
             _configure(emu, order=code, routing=variant, seed=variant, pdl=code == 1)
             _assert_same_bits(_route(emu, logits, bias, p), expected,
                               f"routing variant {variant}, {order} order")
+    _configure(emu)
+
+
+THREAD_CASES = [(preset, dtype, bias_dtype) for preset in ("deepseek-v3", "kimi-k2")
+                for dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for bias_dtype in (torch.float32, torch.bfloat16, None)]
+
+
+@pytest.mark.parametrize("preset,dtype,bias_dtype", THREAD_CASES,
+                         ids=[f"{p}-{str(d)[6:]}-{str(b)[6:]}" for p, d, b in THREAD_CASES])
+def test_routing_variant_4_routes_a_token_a_thread_as_the_warp_kernel(emu, preset, dtype,
+                                                                      bias_dtype):
+    """Routing variant 4 (a gate's plain calls one thread a token, grouped_topk_thread.h): the
+    warp kernel's ids and weights on rows of NaN, inf, -inf and ties (every expert equal, and
+    equal b across groups), a column-strided view, more tokens than one block's threads, and
+    without a renormalisation; on HIP's 64-lane build the warp kernel routes it."""
+    p = PRESETS[preset]
+    num_tokens = 150
+    g = torch.Generator().manual_seed(len(preset) + num_tokens)
+    logits = (2 * torch.randn(num_tokens, p.num_experts, generator=g)).to(dtype)
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    logits[2, : p.num_experts // 2] = float("inf")
+    logits[3] = 0.0  # every expert ties
+    logits[4, ::2] = float("-inf")
+    logits[5, 7::32] = 9.0  # the same expert of each group ties across groups
+    logits[6] = logits[6, :8].repeat(p.num_experts // 8)  # each group the same values
+    bias = (None if bias_dtype is None
+            else (2 + 0.05 * torch.randn(p.num_experts, generator=g)).to(bias_dtype))
+    wide = torch.zeros(num_tokens, 2 * p.num_experts, dtype=dtype)
+    wide[:, 1::2] = logits
+    for inputs in (logits, wide[:, 1::2]):
+        for renormalize in (True, False):
+            kw = dict(p.op_kwargs(), renormalize=renormalize)
+            _configure(emu)
+            expected = emulated_ops_file().route(emu, inputs, bias, kw)
+            _configure(emu, routing=4, order=2, pdl=True)
+            _assert_same_bits(emulated_ops_file().route(emu, inputs, bias, kw), expected,
+                              f"routing variant 4, renormalize={renormalize}")
+    _configure(emu)
+
+
+OPTIONS_CASES = [(preset, dtype, num_tokens) for preset in ("deepseek-v3", "kimi-k2")
+                 for dtype in (torch.float32, torch.bfloat16) for num_tokens in (1, 37)]
+
+
+@pytest.mark.parametrize("preset,dtype,num_tokens", OPTIONS_CASES,
+                         ids=[f"{p}-{str(d)[6:]}-{t}" for p, d, t in OPTIONS_CASES])
+def test_routing_variant_3_is_the_current_kernel_with_options(emu, preset, dtype, num_tokens):
+    """Routing variant 3 routes a call with options of a gate with its own warp kernel instance
+    with that instance: the same ids, weights, counts and record as the current kernel's
+    generic options instance, each option alone and all together, on rows of ties, NaN and
+    inf; and those the reference's options applied to the plain routing."""
+    p = PRESETS[preset]
+    g = torch.Generator().manual_seed(num_tokens)
+    logits = (2 * torch.randn(num_tokens, p.num_experts, generator=g)).to(dtype)
+    logits[num_tokens // 2, : p.num_experts // 2] = 0.5  # ties
+    logits[num_tokens - 1, ::3] = float("nan")
+    logits[0, 1::5] = float("inf")
+    bias = 2 + 0.05 * torch.randn(p.num_experts, generator=g)
+    expert_map = torch.full((p.num_experts + 2,), -1, dtype=torch.int32)
+    expert_map[::3] = torch.arange(expert_map[::3].numel(), dtype=torch.int32)
+    valid = torch.tensor([num_tokens - num_tokens // 3], dtype=torch.int64)
+    every = dict(num_fused_shared_experts=2, shared_expert_weight=0.25, expert_map=expert_map,
+                 num_valid_tokens=valid)
+    ops = emulated_ops_file().EmulatedOps(emu)
+
+    def run(variant, options, counts_dtype, record_dtype):
+        _configure(emu, routing=variant, order=variant % 3, pdl=variant == 3)
+        counts = None if counts_dtype is None else torch.arange(p.num_experts).to(counts_dtype)
+        routed = (None if record_dtype is None
+                  else torch.full((num_tokens + 1, p.topk), -5, dtype=record_dtype))
+        weights, ids = ops.biased_grouped_topk(logits, bias, **p.op_kwargs(), **options,
+                                               expert_counts=counts, routed_experts=routed)
+        return [t for t in (weights, ids, counts, routed) if t is not None]
+
+    cases = [({}, torch.int32, None), ({}, None, torch.int16),
+             (dict(num_fused_shared_experts=1), None, None),
+             (dict(expert_map=expert_map[: p.num_experts]), None, None),
+             (every, torch.int64, torch.int32)]
+    _configure(emu)
+    plain = _route(emu, logits, bias, p)
+    for options, counts_dtype, record_dtype in cases:
+        expected = run(0, options, counts_dtype, record_dtype)
+        _assert_same_bits(run(3, options, counts_dtype, record_dtype), expected,
+                          f"routing variant 3, options {sorted(options)}")
+        counts = None if counts_dtype is None else torch.arange(p.num_experts).to(counts_dtype)
+        routed = (None if record_dtype is None
+                  else torch.full((num_tokens + 1, p.topk), -5, dtype=record_dtype))
+        weights, ids = reference.apply_routing_options(
+            *plain, p.num_experts, expert_counts=counts, routed_experts=routed, **options)
+        reference_results = [t for t in (weights, ids, counts, routed) if t is not None]
+        _assert_same_bits(expected, reference_results, f"options {sorted(options)}")
     _configure(emu)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import moeext
+from conftest import GPU_DEVICES
 from moeext import reference
 from moeext.presets import PRESETS
 
@@ -99,6 +100,58 @@ def test_each_option_alone(device_isa, option):
     got = moeext.biased_grouped_topk(logits, bias, **p.op_kwargs(), expert_counts=counts,
                                      routed_experts=routed, **kw)
     assert_same((*got, counts, routed), expected)
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
+    reason="needs a GPU and a moeext built for it"))])
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_routing_variant_3_is_the_current_kernel_with_options(device, preset):
+    """Routing variant 3 (moeext._C._set_gpu_routing_variant, kept for A/B timing) routes a call
+    with options of a gate with its own warp kernel instance with that instance: the current
+    kernel's ids, weights, counts and record, for every logits dtype with each bias dtype,
+    rows of NaN, inf and ties, a column-strided view, each option alone and all together."""
+    p = PRESETS[preset]
+    num_tokens = 300
+    inputs = []
+    for logits_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bias_dtype in (torch.float32, torch.bfloat16):
+            logits, bias = make_inputs(num_tokens, preset, seed=7, device=device,
+                                       logits_dtype=logits_dtype)
+            logits[0] = float("nan")
+            logits[1, ::3] = float("inf")
+            logits[2] = 0.0  # every expert ties
+            inputs.append((logits, bias.to(bias_dtype)))
+    wide = torch.zeros(num_tokens, 2 * p.num_experts, dtype=torch.bfloat16, device=device)
+    wide[:, ::2] = inputs[1][0]
+    inputs.append((wide[:, ::2], inputs[1][1]))
+    shared_map = random_map(p.num_experts + 1, seed=5, device=device)
+    valid = torch.tensor([num_tokens - 40], dtype=torch.int64, device=device)
+    cases = [(dict(num_fused_shared_experts=1), None, None),
+             (dict(expert_map=random_map(p.num_experts, seed=6, device=device)), None, None),
+             ({}, torch.int32, None), ({}, None, torch.int16),
+             (dict(num_fused_shared_experts=1, shared_expert_weight=0.3, expert_map=shared_map,
+                   num_valid_tokens=valid), torch.int64, torch.int32)]
+
+    def run(logits, bias, options, counts_dtype, record_dtype):
+        counts = (None if counts_dtype is None
+                  else torch.arange(p.num_experts, device=device).to(counts_dtype))
+        routed = (None if record_dtype is None else
+                  torch.full((num_tokens + 2, p.topk), -3, dtype=record_dtype, device=device))
+        weights, ids = moeext.biased_grouped_topk(logits, bias, **p.op_kwargs(), **options,
+                                                  expert_counts=counts, routed_experts=routed)
+        return (weights.view(torch.int32), ids, counts, routed)
+
+    previous = moeext._C._set_gpu_routing_variant(0)
+    try:
+        for logits, bias in inputs:
+            for options, counts_dtype, record_dtype in cases:
+                current = run(logits, bias, options, counts_dtype, record_dtype)
+                moeext._C._set_gpu_routing_variant(3)
+                other = run(logits, bias, options, counts_dtype, record_dtype)
+                moeext._C._set_gpu_routing_variant(0)
+                assert_same(other, current)
+    finally:
+        moeext._C._set_gpu_routing_variant(previous)
 
 
 @pytest.mark.parametrize("valid", [-5, 0, 1, 50, 64, 1000])

@@ -30,6 +30,10 @@ Baselines, measured in the same run on the same inputs:
                        of them (issue #52's overhead)
   routing variant N    the current routing warp kernel: each variant kept beside it for A/B
                        (moeext::gpu_routing_variant), checked bit for bit first, PDL off
+  routing +<option> variant 3
+                       the same call with the current kernel's generic options instance:
+                       variant 3 runs the gate's own instance with the options, checked bit
+                       for bit first, PDL off
   routing anatomy      the current kernel's full DeepSeek-V3 call at T=1, against the same
                        call with fewer rounds, no groups, no bias, fp32 logits, and an empty
                        launch: where a decode token's time goes
@@ -297,6 +301,30 @@ def preset_cases(presets, tokens):
             yield name, p, rest, bias, num_tokens, g
 
 
+def option_logits(p, num_tokens, g):
+    sets = input_sets(num_tokens * p.num_experts * 2)
+    return [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g).bfloat16()
+            for _ in range(sets)]
+
+
+def option_sets(p, num_tokens):
+    """{label: the keyword arguments of docs/SPEC.md §6's options}: each alone, then all."""
+    counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
+    record = torch.empty(num_tokens, p.topk, dtype=torch.int16, device="cuda")
+    valid = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
+    return {
+        "shared expert": dict(num_fused_shared_experts=1, shared_expert_weight=1.0),
+        "expert map": dict(expert_map=moeext.nn.expert_parallel_map(p.num_experts, 0, 8).cuda()),
+        "counts": dict(expert_counts=counts),
+        "record": dict(routed_experts=record),
+        "valid tokens": dict(num_valid_tokens=valid),
+        "all options": dict(num_fused_shared_experts=1, shared_expert_weight=1.0,
+                            expert_map=moeext.nn.expert_parallel_map(
+                                p.num_experts, 0, 8, num_fused_shared_experts=1).cuda(),
+                            expert_counts=counts, routed_experts=record, num_valid_tokens=valid),
+    }
+
+
 def routing_options(table, quick, tokens=None):
     """docs/SPEC.md §6's options on the GPU (issue #52): each one alone and all together,
     against plain routing in the same mode. Counts accumulate over the timed calls; the
@@ -304,25 +332,8 @@ def routing_options(table, quick, tokens=None):
     presets = ["deepseek-v3"] if quick else ["deepseek-v3", "kimi-k2"]
     tokens = tokens or ([1, 4096] if quick else [1, 64, 4096])
     for name, p, rest, bias, num_tokens, g in preset_cases(presets, tokens):
-        sets = input_sets(num_tokens * p.num_experts * 2)
-        logits = [torch.randn(num_tokens, p.num_experts, device="cuda", generator=g)
-                  .bfloat16() for _ in range(sets)]
-        counts = torch.zeros(p.num_experts, dtype=torch.int32, device="cuda")
-        record = torch.empty(num_tokens, p.topk, dtype=torch.int16, device="cuda")
-        valid = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
-        options = {
-            "shared expert": dict(num_fused_shared_experts=1, shared_expert_weight=1.0),
-            "expert map": dict(expert_map=moeext.nn.expert_parallel_map(
-                p.num_experts, 0, 8).cuda()),
-            "counts": dict(expert_counts=counts),
-            "record": dict(routed_experts=record),
-            "valid tokens": dict(num_valid_tokens=valid),
-            "all options": dict(num_fused_shared_experts=1, shared_expert_weight=1.0,
-                                expert_map=moeext.nn.expert_parallel_map(
-                                    p.num_experts, 0, 8, num_fused_shared_experts=1).cuda(),
-                                expert_counts=counts, routed_experts=record,
-                                num_valid_tokens=valid),
-        }
+        logits = option_logits(p, num_tokens, g)
+        options = option_sets(p, num_tokens)
 
         def calls(**kw):
             return lambda: [lambda x=x: moeext.biased_grouped_topk(x, bias, *rest, **kw)
@@ -337,7 +348,9 @@ def routing_options(table, quick, tokens=None):
                           mode=mode)
 
 
-ROUTING_VARIANTS = [1, 2]  # moeext::gpu_routing_variant's, besides 0 (the current kernel)
+# moeext::gpu_routing_variant's for plain calls, besides 0 (the current kernel); 3 differs on
+# calls with options only (routing_options_variant_ab).
+ROUTING_VARIANTS = [1, 2, 4]
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
 FUSED_ROUTER_VARIANTS = [1, 2, 3]  # moeext::gpu_fused_router_variant's, besides 0
 
@@ -441,6 +454,36 @@ def routing_variant_ab(table, quick, tokens=None):
                 dtype_name = str(dtype).replace("torch.", "")
                 variant_rows(table, "routing variant", f"{name} {dtype_name} T={num_tokens}",
                              same, times, "no-pdl", "current warp kernel")
+
+
+def routing_options_variant_ab(table, quick, tokens=None):
+    """Routing variant 3 (a call with options of a gate with its own warp kernel instance runs
+    that instance) against the current kernel's generic options instance, PDL off, as
+    routing_variant_ab times the plain variants: the ids and weights compared bit for bit
+    first (the counts and record accumulate; the tests compare those), each option alone and
+    all together."""
+    tokens = tokens or ([1, 4096] if quick else [1, 64, 4096, 16384])
+    variants = [3]
+    for name, p, rest, bias, num_tokens, g in preset_cases(["deepseek-v3", "kimi-k2"], tokens):
+        logits = option_logits(p, num_tokens, g)
+        odd = torch.zeros(3, p.num_experts, device="cuda", dtype=torch.bfloat16)
+        odd[1, ::3] = float("nan")
+        odd[2, 5] = float("inf")
+        for label, kw in option_sets(p, num_tokens).items():
+            if label == "valid tokens":
+                continue  # alone it runs the plain instance, in every variant
+
+            def route(x, kw=kw):
+                return moeext.biased_grouped_topk(x, bias, *rest, **kw)
+
+            same = variants_same(routing_variant, variants, route, logits[:1] + [odd])
+
+            def calls(route=route):
+                return [lambda x=x: route(x) for x in logits]
+
+            times = variants_timed(routing_variant, variants, calls, "no-pdl")
+            variant_rows(table, f"routing +{label} variant", f"{name} T={num_tokens}", same,
+                         times, "no-pdl", "current options instance")
 
 
 def routing_anatomy(table, quick, tokens=None):
@@ -688,7 +731,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="few, small cases")
     parser.add_argument("--only", default=None,
                         help="comma-separated: grouped_topk,routing_options,routing_variant,"
-                             "routing_anatomy,"
+                             "routing_options_variant,routing_anatomy,"
                              "router_gemm_variant,fused_router_variant,router_gemm,"
                              "fused_router,zero_tail,shuffles")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -725,6 +768,8 @@ def main(argv=None):
     suites = {"grouped_topk": lambda: grouped_topk(table, args.quick, args.tokens, engines),
               "routing_options": lambda: routing_options(table, args.quick, args.tokens),
               "routing_variant": lambda: routing_variant_ab(table, args.quick, args.tokens),
+              "routing_options_variant": lambda: routing_options_variant_ab(
+                  table, args.quick, args.tokens),
               "routing_anatomy": lambda: routing_anatomy(table, args.quick, args.tokens),
               "router_gemm_variant": lambda: router_gemm_variant_ab(table, args.quick,
                                                                     args.tokens),

@@ -76,8 +76,26 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
   switch (variant) {
     case 1: return launch_routing_variant_1(params, stream);
     case 2: return launch_routing_variant_2(params, stream);
+    case 3: return launch_routing_variant_3(params, stream);
+    case 4: return launch_routing_variant_4(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
+}
+
+// Whether variant `variant` (moeext::gpu_routing_variant) routes a warp kernel call other than
+// the current kernel does; where not, the current kernel takes it.
+bool variant_differs(int variant, const BiasedGroupedTopkParams& params, int warp_size) {
+  const bool options = params.options.any();
+  switch (variant) {
+    case 1: return !options;
+    case 2: {
+      return !options &&
+             fixed_topology_for(params, warp_size, kFixedTopologies) >= kCurrentFixedTopologies;
+    }
+    case 3: return options && fixed_topology_for(params, warp_size) != 0;
+    case 4: return !options && fixed_topology_for(params, warp_size) != 0;
+  }
+  return false;
 }
 
 // "<prefix><value><suffix>" into a per-thread buffer (the message outlives the call).
@@ -129,13 +147,8 @@ GpuError biased_grouped_topk_gpu(const BiasedGroupedTopkParams& params, void* st
   if (const char* limit = biased_grouped_topk_gpu_limit(params)) return limit;
   const int warp_size = gpu::warp_size_of_current_device();
   const FastPathPlan plan = plan_for(params, warp_size);
-  // The variants (moeext::gpu_routing_variant) have plain warp kernel instances only.
   const int variant = gpu_routing_variant();
-  // Variant 2 differs from the current kernel on the gates it adds instances for only.
-  const bool variant_differs =
-      variant != 2 ||
-      fixed_topology_for(params, warp_size, kFixedTopologies) >= kCurrentFixedTopologies;
-  if (variant != 0 && variant_differs && plan.experts_per_lane != 0 && !params.options.any()) {
+  if (variant != 0 && plan.experts_per_lane != 0 && variant_differs(variant, params, warp_size)) {
     return launch_routing_variant(variant, params, stream);
   }
   const KernelArgs args = kernel_args(params, plan);

@@ -22,14 +22,14 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The model gate's instance (FixedTopology id kTopology) of warp kernel variant kVariant, where
-// the plan gives it its lanes.
-template <typename LogitT, typename BiasT, int kVariant, int kTopology>
+// The model gate's instance (FixedTopology id kTopology) of warp kernel variant kVariant, with
+// the routing options where kOptions, where the plan gives it its lanes.
+template <typename LogitT, typename BiasT, int kVariant, int kTopology, bool kOptions = false>
 Kernel fixed_topology_kernel(int experts_per_lane) {
   constexpr int V = fixed_topology(kTopology).num_experts / 32;
-  return experts_per_lane == V
-             ? Kernel(grouped_topk_warp_kernel<32, V, LogitT, BiasT, false, kVariant, kTopology>)
-             : nullptr;
+  return experts_per_lane == V ? Kernel(grouped_topk_warp_kernel<32, V, LogitT, BiasT, kOptions,
+                                                                 kVariant, kTopology>)
+                               : nullptr;
 }
 
 // The warp kernel instance for experts_per_lane, or null. A plain call of the current kernel

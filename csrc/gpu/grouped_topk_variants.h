@@ -1,5 +1,5 @@
 // The routing warp kernel's variants (kVariant of grouped_topk_warp.h, listed at
-// moeext::gpu_routing_variant): the plain instances of each in a translation unit of its own,
+// moeext::gpu_routing_variant): the instances of each in a translation unit of its own,
 // grouped_topk_variant<n>.cu, so that they build in parallel with each other and with the
 // kernels every call runs (grouped_topk.cu), and go with their file once one has won.
 #pragma once
@@ -17,6 +17,12 @@ GpuError launch_routing_variant_1(const BiasedGroupedTopkParams& params, void* s
 // Variant 2 only where the call's topology is one of the FixedTopology ids from
 // kCurrentFixedTopologies (variant 2 is the current kernel elsewhere).
 GpuError launch_routing_variant_2(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 3 only for a call with routing options whose topology is one of the FixedTopology ids
+// below kCurrentFixedTopologies, on 32-lane warps (variant 3 is the current kernel elsewhere).
+GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 4 only for a plain call whose topology is one of the FixedTopology ids below
+// kCurrentFixedTopologies, on 32-lane warps (variant 4 is the current kernel elsewhere).
+GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 

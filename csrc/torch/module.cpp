@@ -116,7 +116,7 @@ PYBIND11_MODULE(_C, m) {
   def_variant_switch(
       m, "_set_gpu_routing_variant", &moeext::set_gpu_routing_variant,
       moeext::kGpuRoutingVariants,
-      "Developers' A/B switch: which warp kernel the plain GPU routing calls run, 0 (the\n"
+      "Developers' A/B switch: which warp kernel the GPU routing calls run, 0 (the\n"
       "current one) or a variant of the same bits; returns the previous one.");
   def_variant_switch(
       m, "_set_gpu_router_gemm_variant", &moeext::set_gpu_router_gemm_variant,

@@ -89,18 +89,24 @@ inline bool set_gpu_programmatic_dependent_launch(bool enabled) {
 // by GPU builds only (csrc/gpu/device.cu).
 bool gpu_programmatic_dependent_launch_supported();
 
-// The variants of the routing warp kernel (grouped_topk_warp.h, kVariant): more instances of
-// the plain biased_grouped_topk warp kernel that compute the same bits by other instructions,
-// kept beside the current one (variant 0) so that all can be timed in one process on a GPU
-// (bench_cuda.py --only routing_variant) before the fastest becomes the only one. 0 unless
-// set; a developer's switch (moeext._C), not part of the API. Read by the launcher at launch,
-// so a CUDA graph keeps the variant that was set while it was captured.
+// The variants of the routing kernels (grouped_topk_warp.h's kVariant, and the thread kernel
+// of grouped_topk_thread.h): more biased_grouped_topk instances that compute the same bits by
+// other instructions, kept beside the current one (variant 0) so that all can be timed in one
+// process on a GPU (bench_cuda.py --only routing_variant, and --only routing_options_variant
+// for 3) before the fastest becomes the only one. 0 unless set; a developer's switch
+// (moeext._C), not part of the API. Read by the launcher at launch, so a CUDA graph keeps the
+// variant that was set while it was captured.
 //   1: the kernel before the sorted lanes and the model gates' own instances
 //      (grouped_topk_warp.h, sorts_lanes; grouped_topk_plan.h, FixedTopology): an argmax
 //      round over every expert a lane holds, the weight sum over every lane;
 //   2: the current kernel, with an instance of its own for more model gates (DeepSeek-V4-Flash
-//      and -Pro, a Nemotron-style 512 experts top 22; FixedTopology ids 3-5).
-constexpr int kGpuRoutingVariants = 3;
+//      and -Pro, a Nemotron-style 512 experts top 22; FixedTopology ids 3-5);
+//   3: the current kernel, but a call with routing options of a gate with its own instance
+//      (DeepSeek-V3/R1, Kimi-K2) runs that instance with the options, where the current
+//      kernel runs the generic options instance;
+//   4: the current kernel, but a plain call of those gates routed one thread a token
+//      (grouped_topk_thread.h), at every batch size, for the A/B at prefill sizes.
+constexpr int kGpuRoutingVariants = 5;
 namespace detail {
 // The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
 // completion count), one flag per binary

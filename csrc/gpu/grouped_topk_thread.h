@@ -1,0 +1,199 @@
+// Biased grouped top-k routing one thread a token, for a model gate with an instance of its own
+// (FixedTopology, grouped_topk_plan.h): routing variant 4 (moeext::gpu_routing_variant), kept
+// beside the warp kernel for a GPU to time at prefill sizes.
+//
+// The warp kernel spreads a token's experts over 32 lanes, and most of its instructions are
+// the lanes agreeing: the group scores' butterfly, the ranks, and a warp reduction a round.
+// Here a thread holds its token alone, so nothing is exchanged: it scores every expert once
+// for the group scores, ranks the groups, then scores the kept groups' experts again and keeps
+// the topk largest in a sorted list of registers. About 14,000 thread instructions a
+// DeepSeek-V3 token, 440 a token a warp, where the warp kernel issues about 900 a token
+// (docs/notes/gpu-kernels.md). A decode batch has too few tokens to fill the GPU this way:
+// the variant is for the A/B at large T.
+//
+// The same bits as the warp kernel: the same score, bias, NaN and key functions
+// (host_device/routing.h), the groups ranked by the same keys, the experts offered in
+// ascending order to a list that puts an expert after those of its value already in it (the
+// lower expert first on a tie), and the weights added in winning order.
+#pragma once
+
+#include <type_traits>
+
+#include "gpu/grouped_topk_warp.h"
+
+namespace moeext::gpu::grouped_topk {
+namespace {
+
+constexpr int kThreadKernelThreads = 64;
+
+// The K largest values offered so far, largest first, with their experts. Empty slots hold 0,
+// below every real value's ordered bits (-inf's are 0x007fffff).
+template <int K>
+struct TopList {
+  uint32_t value[K];
+  uint32_t id[K];
+};
+
+template <int K>
+__device__ __forceinline__ void top_list_clear(TopList<K>& top) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    top.value[i] = 0u;
+    top.id[i] = 0u;
+  }
+}
+
+// Inserts (value, id) where it belongs, after every entry of a value at least as large; the
+// last entry falls out. Branch-free: each slot takes its own entry, the one before it, or the
+// new one.
+template <int K>
+__device__ __forceinline__ void top_list_offer(TopList<K>& top, uint32_t value, uint32_t id) {
+#pragma unroll
+  for (int i = K - 1; i > 0; --i) {
+    const bool above_previous = value > top.value[i - 1];
+    const bool above = value > top.value[i];
+    top.value[i] = above_previous ? top.value[i - 1] : (above ? value : top.value[i]);
+    top.id[i] = above_previous ? top.id[i - 1] : (above ? id : top.id[i]);
+  }
+  const bool first = value > top.value[0];
+  top.value[0] = first ? value : top.value[0];
+  top.id[0] = first ? id : top.id[0];
+}
+
+// Where expert e's bias sits in shared memory: a word of padding after each group, so that
+// threads reading the same expert of different groups read different banks.
+template <int kGroupSize>
+__device__ __forceinline__ int bias_slot(int e) {
+  return e + e / kGroupSize;
+}
+
+// kTopology: the gate (FixedTopology id); its counts and scoring function are constants.
+template <typename LogitT, typename BiasT, int kTopology>
+__device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) {
+  constexpr FixedTopology kShape = fixed_topology(kTopology);
+  constexpr int kExperts = kShape.num_experts;
+  constexpr int kGroups = kShape.num_expert_group;
+  constexpr int kGroupSize = kExperts / kGroups;
+  constexpr int kTopk = kShape.topk;
+  constexpr int kChunk = 8;  // experts a load
+  constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
+  constexpr bool kSelectGroups = kShape.topk_group < kGroups;
+  static_assert(kGroupSize % kChunk == 0, "whole chunks a group");
+  static_assert(kGroups <= 32, "a bit a group");
+  const BiasedGroupedTopkParams& p = args.p;
+  const ScoringFunc scoring = kShape.scoring_func;
+
+  float* const bias = reinterpret_cast<float*>(shared_words());
+  if constexpr (kHasBias) {
+    const BiasT* const source = static_cast<const BiasT*>(p.correction_bias);
+    for (int e = thread_index(); e < kExperts; e += kThreadKernelThreads) {
+      bias[bias_slot<kGroupSize>(e)] = to_float(source[int64_t(e) * p.bias_stride]);
+    }
+    __syncthreads();
+  }
+
+  for (int64_t token = block_index() * kThreadKernelThreads + thread_index();
+       token < p.num_tokens; token += args.token_step) {
+    const LogitT* const row =
+        static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride;
+    // s of a chunk's experts [first, first + kChunk), in place of their logits, and b of each.
+    float s[kChunk];
+    float b[kChunk];
+    const auto score_chunk = [&](int first) {
+      load_experts<kChunk>(row, p.gating_col_stride, first, kExperts, s);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        s[i] = elementwise_score(scoring, s[i]);
+        float biased = s[i];
+        if constexpr (kHasBias) biased += bias[bias_slot<kGroupSize>(first + i)];
+        b[i] = nan_to_neg_inf(biased);
+      }
+    };
+
+    // Steps 3-4: each group's score from the top two of its b, ranked by key against the
+    // others'; bit g of `kept` for each group kept.
+    // The loops over groups and chunks stay loops: unrolled, a token's code would not fit the
+    // instruction cache. A group's key goes to its register by selects, not by indexing.
+    uint32_t kept = kGroups == 32 ? ~0u : (1u << kGroups) - 1;
+    if constexpr (kSelectGroups) {
+      uint64_t group_key[kGroups] = {};
+#pragma unroll 1
+      for (int g = 0; g < kGroups; ++g) {
+        Top2 top2 = top2_empty();
+#pragma unroll 1
+        for (int first = g * kGroupSize; first < (g + 1) * kGroupSize; first += kChunk) {
+          score_chunk(first);
+#pragma unroll
+          for (int i = 0; i < kChunk; ++i) top2 = top2_push(top2, b[i]);
+        }
+        const uint64_t key =
+            key_from_ordered(ordered_bits(group_score(top2, kHasBias, kGroupSize)), uint32_t(g));
+#pragma unroll
+        for (int h = 0; h < kGroups; ++h) group_key[h] = h == g ? key : group_key[h];
+      }
+      kept = 0;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        int rank = 0;
+#pragma unroll
+        for (int other = 0; other < kGroups; ++other) {
+          rank += group_key[other] > group_key[g] ? 1 : 0;
+        }
+        kept |= rank < kShape.topk_group ? 1u << g : 0u;
+      }
+    }
+
+    // Steps 5-6: the kept groups' experts offered in ascending order, the j-th kept group of
+    // every thread at once (a loop over all groups would run each group any thread keeps).
+    TopList<kTopk> top;
+    top_list_clear(top);
+    constexpr int kKeptGroups = kSelectGroups ? kShape.topk_group : kGroups;
+#pragma unroll 1
+    for (int j = 0; j < kKeptGroups; ++j) {
+      const int g = __ffs(int(kept)) - 1;
+      kept &= kept - 1;
+#pragma unroll 1
+      for (int c = 0; c < kGroupSize; c += kChunk) {
+        const int first = g * kGroupSize + c;
+        score_chunk(first);
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          top_list_offer(top, ordered_bits(b[i]), uint32_t(first + i));
+        }
+      }
+    }
+
+    // Step 7: each winner's unbiased score again, the weights added in winning order.
+    float weight[kTopk];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kTopk; ++j) {
+      const float x = to_float(row[int64_t(top.id[j]) * p.gating_col_stride]);
+      weight[j] = weight_of_score(elementwise_score(scoring, x));
+      sum += weight[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kTopk; ++j) {
+      p.topk_ids[token * p.ids_row_stride + j] = int32_t(top.id[j]);
+      p.topk_weights[token * p.weights_row_stride + j] =
+          finalize_weight(weight[j], sum, p.renormalize, p.routed_scaling_factor);
+    }
+  }
+}
+
+// Dynamic shared memory of the thread kernel: the bias, a word of padding after each group.
+MOEEXT_HOST_DEVICE constexpr int64_t thread_kernel_smem_bytes(int topology) {
+  return (fixed_topology(topology).num_experts + fixed_topology(topology).num_expert_group) *
+         int64_t(sizeof(float));
+}
+
+template <typename LogitT, typename BiasT, int kTopology>
+__global__ void __launch_bounds__(kThreadKernelThreads)
+    grouped_topk_thread_kernel(const KernelArgs args) {
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  route_tokens_per_thread<LogitT, BiasT, kTopology>(args);
+}
+
+}  // namespace
+}  // namespace moeext::gpu::grouped_topk
