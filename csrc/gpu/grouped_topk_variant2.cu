@@ -21,16 +21,12 @@ Kernel variant_2_kernel(int topology, int experts_per_lane) {
 }  // namespace
 
 GpuError launch_routing_variant_2(const BiasedGroupedTopkParams& params, void* stream) {
-  constexpr int kWarpSize = 32;
-  const int topology = fixed_topology_for(params, kWarpSize, kFixedTopologies);
-  const FastPathPlan plan = plan_for(params, kWarpSize);
-  const KernelArgs args = kernel_args(params, plan);
-  return visit_dtypes(params, [&](auto logits, auto bias) {
-    using LogitT = typename decltype(logits)::type;
-    using BiasT = typename decltype(bias)::type;
-    return launch_warp_kernel<kWarpSize>(
-        variant_2_kernel<LogitT, BiasT>(topology, plan.experts_per_lane), args, plan, stream);
-  });
+  return launch_fixed_topology_variant(
+      params, kFixedTopologies, stream, [](auto logits, auto bias, int topology, int lanes) {
+        using LogitT = typename decltype(logits)::type;
+        using BiasT = typename decltype(bias)::type;
+        return variant_2_kernel<LogitT, BiasT>(topology, lanes);
+      });
 }
 
 }  // namespace moeext::gpu::grouped_topk

@@ -46,5 +46,21 @@ GpuError launch_plain_variant(const BiasedGroupedTopkParams& params, void* strea
   return launch_for_width(std::integral_constant<int, 32>{});
 }
 
+// Launches, on 32-lane warps, the warp kernel instance pick(TypeTag<LogitT>, TypeTag<BiasT>,
+// topology, experts_per_lane) gives for the call's dtypes and its FixedTopology id below
+// id_end (fixed_topology_for).
+template <typename Pick>
+GpuError launch_fixed_topology_variant(const BiasedGroupedTopkParams& params, int id_end,
+                                       void* stream, const Pick& pick) {
+  constexpr int kWarpSize = 32;
+  const int topology = fixed_topology_for(params, kWarpSize, id_end);
+  const FastPathPlan plan = plan_for(params, kWarpSize);
+  const KernelArgs args = kernel_args(params, plan);
+  return visit_dtypes(params, [&](auto logits, auto bias) {
+    return launch_warp_kernel<kWarpSize>(pick(logits, bias, topology, plan.experts_per_lane),
+                                         args, plan, stream);
+  });
+}
+
 }  // namespace
 }  // namespace moeext::gpu::grouped_topk
