@@ -348,9 +348,11 @@ def routing_options(table, quick, tokens=None):
                           mode=mode)
 
 
-# moeext::gpu_routing_variant's for plain calls, besides 0 (the current kernel); 3 differs on
-# calls with options only (routing_options_variant_ab).
-ROUTING_VARIANTS = [1, 2, 4]
+# moeext::gpu_routing_variant's for plain calls, besides 0 (the current kernel), and the gates
+# each differs on (None: every gate); 3 differs on calls with options only
+# (routing_options_variant_ab).
+ROUTING_VARIANTS = {1: None, 2: {"deepseek-v4-pro", "nemotron-style"},
+                    4: {"deepseek-v3", "kimi-k2"}}
 ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
 FUSED_ROUTER_VARIANTS = [1, 2, 3]  # moeext::gpu_fused_router_variant's, besides 0
 
@@ -427,10 +429,12 @@ def routing_variant_ab(table, quick, tokens=None):
     graph times taken in alternation, three of each, medians reported. A MISMATCH row means
     that variant must not land."""
     tokens = tokens or ([1, 4096, 16384] if quick else [1, 16, 64, 256, 1024, 4096, 16384])
-    # The gates with an instance of their own in the kernel, then in variant 2 only.
+    # The gates with an instance of their own in the kernel, then in variant 2 only. Each is
+    # timed in the variants that route it otherwise than the current kernel.
     for name in ["deepseek-v3", "kimi-k2", "deepseek-v4-pro", "nemotron-style"]:
         p = PRESETS[name]
         rest = routing_args(p)
+        variants = [v for v, gates in ROUTING_VARIANTS.items() if gates is None or name in gates]
         for dtype in [torch.bfloat16, torch.float32]:
             for num_tokens in tokens:
                 g = torch.Generator(device="cuda").manual_seed(num_tokens)
@@ -445,12 +449,12 @@ def routing_variant_ab(table, quick, tokens=None):
                 def route(x):
                     return moeext.biased_grouped_topk(x, bias, *rest)
 
-                same = variants_same(routing_variant, ROUTING_VARIANTS, route, logits + [odd])
+                same = variants_same(routing_variant, variants, route, logits + [odd])
 
                 def calls():
                     return [lambda x=x: route(x) for x in logits]
 
-                times = variants_timed(routing_variant, ROUTING_VARIANTS, calls, "no-pdl")
+                times = variants_timed(routing_variant, variants, calls, "no-pdl")
                 dtype_name = str(dtype).replace("torch.", "")
                 variant_rows(table, "routing variant", f"{name} {dtype_name} T={num_tokens}",
                              same, times, "no-pdl", "current warp kernel")
