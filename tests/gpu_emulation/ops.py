@@ -21,9 +21,10 @@ SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 
 def route(module, logits, bias, kwargs):
     """The routing kernel alone on `logits` (no checks, no options): ``(weights, ids)``;
-    kwargs as a preset's op_kwargs()."""
-    weights = torch.empty(logits.shape[0], kwargs["topk"])
-    ids = torch.empty(logits.shape[0], kwargs["topk"], dtype=torch.int32)
+    kwargs as a preset's op_kwargs(). The outputs start as -7: a row the kernel leaves
+    unwritten shows, where fresh memory could hold an earlier call's results."""
+    weights = torch.full((logits.shape[0], kwargs["topk"]), -7.0)
+    ids = torch.full((logits.shape[0], kwargs["topk"]), -7, dtype=torch.int32)
     module.routing(logits, bias, weights, ids, kwargs["num_expert_group"], kwargs["topk_group"],
                    kwargs["topk"], kwargs["renormalize"], kwargs["routed_scaling_factor"],
                    SCORING[kwargs["scoring_func"]], 0, 1.0, None, None, None, None)
