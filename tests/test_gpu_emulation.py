@@ -1,6 +1,6 @@
 """The GPU kernels run on the host (tests/gpu_emulation/): the emulation's own checks, and what
 the suite's emulated runs (conftest's ``device_isa``) do not cover, the kernel variants kept
-for a GPU's A/B (moeext/common.h: routing 1-4, router GEMM 1, the fused router's one launch
+for a GPU's A/B (moeext/common.h: routing 1-5, router GEMM 1, the fused router's one launch
 1-3), launches with programmatic dependent launch, the orders a block's threads run in, and the
 routing property tests (test_grouped_topk.py's problems, drawn by hypothesis).
 
@@ -164,7 +164,7 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     _configure(emu)
     expected = _route(emu, logits, bias, p)
     assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
-    for variant in (0, 1, 2, 4):
+    for variant in (0, 1, 2, 4, 5):
         for order, code in ORDERS.items():
             _configure(emu, order=code, routing=variant, seed=variant, pdl=code == 1)
             _assert_same_bits(_route(emu, logits, bias, p), expected,
@@ -177,14 +177,16 @@ THREAD_CASES = [(preset, dtype, bias_dtype) for preset in ("deepseek-v3", "kimi-
                 for bias_dtype in (torch.float32, torch.bfloat16, None)]
 
 
+@pytest.mark.parametrize("variant", [4, 5])
 @pytest.mark.parametrize("preset,dtype,bias_dtype", THREAD_CASES,
                          ids=[f"{p}-{str(d)[6:]}-{str(b)[6:]}" for p, d, b in THREAD_CASES])
-def test_routing_variant_4_routes_a_token_a_thread_as_the_warp_kernel(emu, preset, dtype,
-                                                                      bias_dtype):
-    """Routing variant 4 (a gate's plain calls one thread a token, grouped_topk_thread.h): the
-    warp kernel's ids and weights on rows of NaN, inf, -inf and ties (every expert equal, and
-    equal b across groups), a column-strided view, more tokens than one block's threads, and
-    without a renormalisation; on HIP's 64-lane build the warp kernel routes it."""
+def test_routing_variants_4_and_5_route_a_gate_as_the_warp_kernel(emu, preset, dtype,
+                                                                  bias_dtype, variant):
+    """Routing variants 4 (a gate's plain calls one thread a token, grouped_topk_thread.h) and
+    5 (a token a block, grouped_topk_gate_block.h): the warp kernel's ids and weights on rows
+    of NaN, inf, -inf and ties (every expert equal, and equal b across groups), a
+    column-strided view, more tokens than one block's threads, and without a
+    renormalisation; on HIP's 64-lane build the warp kernel routes it."""
     p = PRESETS[preset]
     num_tokens = 150
     g = torch.Generator().manual_seed(len(preset) + num_tokens)
@@ -205,9 +207,9 @@ def test_routing_variant_4_routes_a_token_a_thread_as_the_warp_kernel(emu, prese
             kw = dict(p.op_kwargs(), renormalize=renormalize)
             _configure(emu)
             expected = emulated_ops_file().route(emu, inputs, bias, kw)
-            _configure(emu, routing=4, order=2, pdl=True)
+            _configure(emu, routing=variant, order=2, pdl=True)
             _assert_same_bits(emulated_ops_file().route(emu, inputs, bias, kw), expected,
-                              f"routing variant 4, renormalize={renormalize}")
+                              f"routing variant {variant}, renormalize={renormalize}")
     _configure(emu)
 
 

@@ -78,6 +78,7 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
     case 2: return launch_routing_variant_2(params, stream);
     case 3: return launch_routing_variant_3(params, stream);
     case 4: return launch_routing_variant_4(params, stream);
+    case 5: return launch_routing_variant_5(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
 }
@@ -93,7 +94,8 @@ bool variant_differs(int variant, const BiasedGroupedTopkParams& params, int war
              fixed_topology_for(params, warp_size, kFixedTopologies) >= kCurrentFixedTopologies;
     }
     case 3: return options && fixed_topology_for(params, warp_size) != 0;
-    case 4: return !options && fixed_topology_for(params, warp_size) != 0;
+    case 4:
+    case 5: return !options && fixed_topology_for(params, warp_size) != 0;
   }
   return false;
 }

@@ -1,13 +1,15 @@
 // A model gate's routing by a whole block, one token at a time: the fused router's last block
 // at one token (fused_router.cu, moeext::gpu_fused_router_variant 3), where the warp kernel
 // would leave seven of its eight warps idle and route the token as one warp's chain of argmax
-// rounds. Here every thread scores E / 256 experts, and the top-k comes from ranks counted in
-// parallel, not from rounds: each warp ranks its own experts and keeps its best topk as
-// candidates; a candidate's place in the token's top-k is then the number of candidates that
-// beat it (whatever beats a winner is itself among its warp's best topk, so is a candidate).
+// rounds; and routing variant 5's kernel, a token a block (grouped_topk_variant5.cu). Here
+// every thread scores E / 256 experts, and the top-k comes from ranks counted in parallel, not
+// from rounds: each warp ranks its own experts and keeps its best topk as candidates; a
+// candidate's place in the token's top-k is then the number of candidates that beat it
+// (whatever beats a winner is itself among its warp's best topk, so is a candidate).
 // The bits are the warp kernel's: the same scores, keys, group scores and tie rule, and the
 // weights summed in winning order by the same shuffles.
-// Included by fused_router.cu: the anonymous namespace keeps its instances internal to it.
+// Included by fused_router.cu and grouped_topk_variant5.cu: the anonymous namespace keeps
+// each one's instances internal to it.
 #pragma once
 
 #include <type_traits>
@@ -56,6 +58,19 @@ struct GateBlockShape {
                 "a group is a power-of-two run of one warp's lanes");
 };
 
+// load_experts, but for fewer bytes than a 32-bit word (one bf16 or fp16 value a thread), which
+// it reads in whole words only: element loads.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_thread_experts(const T* row, int64_t stride, int first,
+                                                    int num_experts, float (&out)[kCount]) {
+  if constexpr (kCount * sizeof(T) % 4 == 0) {
+    load_experts<kCount>(row, stride, first, num_experts, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) out[i] = to_float(row[int64_t(first + i) * stride]);
+  }
+}
+
 // The bias of this thread's experts (none without one), as route_tokens_per_block takes it.
 // The fused router's blocks each read it before their share of the GEMM, so that the block
 // that finishes last has it in registers and no load of it lies on the path after the count.
@@ -66,9 +81,9 @@ __device__ __forceinline__ void load_gate_bias(
   if constexpr (!std::is_same_v<BiasT, NoBias>) {
     const int tid = thread_index();
     if (tid < Shape::kActiveThreads) {
-      load_experts<Shape::kPerThread>(static_cast<const BiasT*>(args.p.correction_bias),
-                                      args.p.bias_stride, tid * Shape::kPerThread,
-                                      Shape::kExperts, bias);
+      load_thread_experts<Shape::kPerThread>(static_cast<const BiasT*>(args.p.correction_bias),
+                                             args.p.bias_stride, tid * Shape::kPerThread,
+                                             Shape::kExperts, bias);
     }
   } else {
     (void)args;
@@ -76,12 +91,14 @@ __device__ __forceinline__ void load_gate_bias(
   }
 }
 
-// Routes every token of args.p (a plain call of a gate of fixed_topology(kTopology), its
-// logits fp32) with the kThreads threads of the block, `bias` from load_gate_bias; every
-// thread of the block calls it.
-template <int kTopology, typename BiasT, int kThreads = kGateBlockThreads>
+// Routes tokens first_token, first_token + token_step, ... of args.p (a plain call of a gate
+// of fixed_topology(kTopology), its logits LogitT) with the kThreads threads of the block,
+// `bias` from load_gate_bias; every thread of the block calls it.
+template <int kTopology, typename BiasT, int kThreads = kGateBlockThreads,
+          typename LogitT = float>
 __device__ __forceinline__ void route_tokens_per_block(
-    const KernelArgs& args, const float (&bias)[GateBlockShape<kTopology, kThreads>::kPerThread]) {
+    const KernelArgs& args, const float (&bias)[GateBlockShape<kTopology, kThreads>::kPerThread],
+    int64_t first_token = 0, int64_t token_step = 1) {
   using Shape = GateBlockShape<kTopology, kThreads>;
   constexpr int kWarpSize = Shape::kWarpSize;
   constexpr int V = Shape::kPerThread;
@@ -105,14 +122,15 @@ __device__ __forceinline__ void route_tokens_per_block(
   const int first = tid * V;  // this thread's experts: [first, first + V)
   const bool holds_experts = tid < Shape::kActiveThreads;  // whole warps
 
-  for (int64_t token = 0; token < p.num_tokens; ++token) {
+  for (int64_t token = first_token; token < p.num_tokens; token += token_step) {
     // s, and b's ordered bits (0: out of play), as route_tokens_per_warp computes them.
     float s[V];
     uint32_t value[V];
     Top2 top2 = top2_empty();
     if (holds_experts) {
-      load_experts<V>(static_cast<const float*>(p.gating_output) + token * p.gating_row_stride,
-                      p.gating_col_stride, first, Shape::kExperts, s);
+      load_thread_experts<V>(
+          static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
+          p.gating_col_stride, first, Shape::kExperts, s);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         s[i] = elementwise_score(kScoring, s[i]);

@@ -20,7 +20,7 @@ GpuError launch(Kernel kernel, int64_t blocks, int threads, int64_t smem_bytes, 
                           size_t(smem_bytes), as_stream(stream), args);
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+[[maybe_unused]] int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The model gate's instance (FixedTopology id kTopology) of warp kernel variant kVariant, with
 // the routing options where kOptions, where the plan gives it its lanes.

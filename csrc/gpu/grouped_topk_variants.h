@@ -23,6 +23,8 @@ GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* s
 // Variant 4 only for a plain call whose topology is one of the FixedTopology ids below
 // kCurrentFixedTopologies, on 32-lane warps (variant 4 is the current kernel elsewhere).
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 5 likewise: those calls a token a block (grouped_topk_gate_block.h).
+GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 

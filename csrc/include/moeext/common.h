@@ -89,11 +89,12 @@ inline bool set_gpu_programmatic_dependent_launch(bool enabled) {
 // by GPU builds only (csrc/gpu/device.cu).
 bool gpu_programmatic_dependent_launch_supported();
 
-// The variants of the routing kernels (grouped_topk_warp.h's kVariant, and the thread kernel
-// of grouped_topk_thread.h): more biased_grouped_topk instances that compute the same bits by
-// other instructions, kept beside the current one (variant 0) so that all can be timed in one
-// process on a GPU (bench_cuda.py --only routing_variant, and --only routing_options_variant
-// for 3) before the fastest becomes the only one. 0 unless set; a developer's switch
+// The variants of the routing kernels (grouped_topk_warp.h's kVariant, the thread kernel of
+// grouped_topk_thread.h and the block kernel of grouped_topk_variant5.cu): more
+// biased_grouped_topk instances that compute the same bits by other instructions, kept beside
+// the current one (variant 0) so that all can be timed in one process on a GPU (bench_cuda.py
+// --only routing_variant, and --only routing_options_variant for 3) before the fastest becomes
+// the only one. 0 unless set; a developer's switch
 // (moeext._C), not part of the API. Read by the launcher at launch, so a CUDA graph keeps the
 // variant that was set while it was captured.
 //   1: the kernel before the sorted lanes and the model gates' own instances
@@ -105,8 +106,11 @@ bool gpu_programmatic_dependent_launch_supported();
 //      (DeepSeek-V3/R1, Kimi-K2) runs that instance with the options, where the current
 //      kernel runs the generic options instance;
 //   4: the current kernel, but a plain call of those gates routed one thread a token
-//      (grouped_topk_thread.h), at every batch size, for the A/B at prefill sizes.
-constexpr int kGpuRoutingVariants = 5;
+//      (grouped_topk_thread.h), at every batch size, for the A/B at prefill sizes;
+//   5: as 4, but a token a block of 256 threads, ranks counted in parallel in place of the
+//      argmax rounds (grouped_topk_gate_block.h, the fused router's single-token code), for
+//      the A/B at decode sizes.
+constexpr int kGpuRoutingVariants = 6;
 namespace detail {
 // The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
 // completion count), one flag per binary
