@@ -22,22 +22,13 @@ Kernel variant_4_kernel(int topology) {
 
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream) {
   const int topology = fixed_topology_for(params, 32);
-  KernelArgs args = kernel_args(params, plan_for(params, 32));
-  const int64_t sms = multiprocessor_count_of_current_device();
-  int64_t blocks = ceil_div(params.num_tokens, kThreadKernelThreads);
-  if (blocks > sms * 16) blocks = sms * 16;
-  args.warps_per_block = kThreadKernelThreads / 32;
-  args.token_step = blocks * kThreadKernelThreads;
-  return visit_dtypes(params, [&](auto logits, auto bias) -> GpuError {
-    using LogitT = typename decltype(logits)::type;
-    using BiasT = typename decltype(bias)::type;
-    const Kernel kernel = variant_4_kernel<LogitT, BiasT>(topology);
-    if (kernel == nullptr) {
-      return "biased_grouped_topk: no thread kernel for this gate (internal error)";
-    }
-    return launch(kernel, blocks, kThreadKernelThreads, thread_kernel_smem_bytes(topology),
-                  stream, args);
-  });
+  return launch_gate_kernel(params, kThreadKernelThreads, kThreadKernelThreads, 16,
+                            thread_kernel_smem_bytes(topology), stream,
+                            [](auto logits, auto bias, int gate) {
+                              using LogitT = typename decltype(logits)::type;
+                              using BiasT = typename decltype(bias)::type;
+                              return variant_4_kernel<LogitT, BiasT>(gate);
+                            });
 }
 
 }  // namespace moeext::gpu::grouped_topk

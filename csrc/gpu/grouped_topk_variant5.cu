@@ -38,22 +38,12 @@ Kernel variant_5_kernel(int topology) {
 }  // namespace
 
 GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream) {
-  const int topology = fixed_topology_for(params, 32);
-  KernelArgs args = kernel_args(params, plan_for(params, 32));
-  int64_t blocks = params.num_tokens;
-  const int64_t max_blocks = multiprocessor_count_of_current_device() * 8;
-  if (blocks > max_blocks) blocks = max_blocks;
-  args.warps_per_block = kGateBlockThreads / 32;
-  args.token_step = blocks;
-  return visit_dtypes(params, [&](auto logits, auto bias) -> GpuError {
-    using LogitT = typename decltype(logits)::type;
-    using BiasT = typename decltype(bias)::type;
-    const Kernel kernel = variant_5_kernel<LogitT, BiasT>(topology);
-    if (kernel == nullptr) {
-      return "biased_grouped_topk: no block kernel for this gate (internal error)";
-    }
-    return launch(kernel, blocks, kGateBlockThreads, 0, stream, args);
-  });
+  return launch_gate_kernel(params, kGateBlockThreads, 1, 8, 0, stream,
+                            [](auto logits, auto bias, int gate) {
+                              using LogitT = typename decltype(logits)::type;
+                              using BiasT = typename decltype(bias)::type;
+                              return variant_5_kernel<LogitT, BiasT>(gate);
+                            });
 }
 
 }  // namespace moeext::gpu::grouped_topk
