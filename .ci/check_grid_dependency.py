@@ -29,6 +29,7 @@ import sys
 
 # The kernels launched through launch_dependent(), by the name they have in the binary.
 DEPENDENT_KERNELS = ("grouped_topk_warp_kernel", "grouped_topk_block_kernel",
+                     "grouped_topk_thread_kernel", "grouped_topk_gate_block_kernel",
                      "router_gemm_kernel", "fused_router_kernel", "routing_weights_kernel")
 
 ARCH = re.compile(r"^\s*arch = sm_(\d+)")
