@@ -6,10 +6,9 @@
 // the lanes agreeing: the group scores' butterfly, the ranks, and a warp reduction a round.
 // Here a thread holds its token alone, so nothing is exchanged: it scores every expert once
 // for the group scores, ranks the groups, then scores the kept groups' experts again and keeps
-// the topk largest in a sorted list of registers. About 14,000 thread instructions a
-// DeepSeek-V3 token, 440 a token a warp, where the warp kernel issues about 900 a token
-// (docs/notes/gpu-kernels.md). A decode batch has too few tokens to fill the GPU this way:
-// the variant is for the A/B at large T.
+// the topk largest in a sorted list of registers: fewer instructions a token than the warp
+// kernel's (docs/notes/gpu-kernels.md has the counts). A decode batch has too few tokens to
+// fill the GPU this way: the variant is for the A/B at large T.
 //
 // The same bits as the warp kernel: the same score, bias, NaN and key functions
 // (host_device/routing.h), the groups ranked by the same keys, the experts offered in
@@ -83,7 +82,8 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
   const BiasedGroupedTopkParams& p = args.p;
   const ScoringFunc scoring = kShape.scoring_func;
 
-  float* const bias = reinterpret_cast<float*>(shared_words());
+  // The bias, a word of padding after each group (bias_slot).
+  __shared__ float bias[kExperts + kGroups];
   if constexpr (kHasBias) {
     const BiasT* const source = static_cast<const BiasT*>(p.correction_bias);
     for (int e = thread_index(); e < kExperts; e += kThreadKernelThreads) {
@@ -179,12 +179,6 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
           finalize_weight(weight[j], sum, p.renormalize, p.routed_scaling_factor);
     }
   }
-}
-
-// Dynamic shared memory of the thread kernel: the bias, a word of padding after each group.
-MOEEXT_HOST_DEVICE constexpr int64_t thread_kernel_smem_bytes(int topology) {
-  return (fixed_topology(topology).num_experts + fixed_topology(topology).num_expert_group) *
-         int64_t(sizeof(float));
 }
 
 template <typename LogitT, typename BiasT, int kTopology>

@@ -21,9 +21,7 @@ Kernel variant_4_kernel(int topology) {
 }  // namespace
 
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream) {
-  const int topology = fixed_topology_for(params, 32);
-  return launch_gate_kernel(params, kThreadKernelThreads, kThreadKernelThreads, 16,
-                            thread_kernel_smem_bytes(topology), stream,
+  return launch_gate_kernel(params, kThreadKernelThreads, kThreadKernelThreads, 16, stream,
                             [](auto logits, auto bias, int gate) {
                               using LogitT = typename decltype(logits)::type;
                               using BiasT = typename decltype(bias)::type;

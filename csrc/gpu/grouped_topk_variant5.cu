@@ -38,7 +38,7 @@ Kernel variant_5_kernel(int topology) {
 }  // namespace
 
 GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream) {
-  return launch_gate_kernel(params, kGateBlockThreads, 1, 8, 0, stream,
+  return launch_gate_kernel(params, kGateBlockThreads, 1, 8, stream,
                             [](auto logits, auto bias, int gate) {
                               using LogitT = typename decltype(logits)::type;
                               using BiasT = typename decltype(bias)::type;

@@ -67,11 +67,11 @@ GpuError launch_fixed_topology_variant(const BiasedGroupedTopkParams& params, in
 // Launches pick(TypeTag<LogitT>, TypeTag<BiasT>, topology), a kernel for the call's dtypes and
 // its FixedTopology id below kCurrentFixedTopologies (32-lane warps), in blocks of `threads`
 // threads that each take tokens_per_block tokens a step, at most max_blocks_per_sm blocks a
-// multiprocessor (the grid then loops over the tokens).
+// multiprocessor (the grid then loops over the tokens). The kernels' shared memory is static.
 template <typename Pick>
 GpuError launch_gate_kernel(const BiasedGroupedTopkParams& params, int threads,
-                            int tokens_per_block, int max_blocks_per_sm, int64_t smem_bytes,
-                            void* stream, const Pick& pick) {
+                            int tokens_per_block, int max_blocks_per_sm, void* stream,
+                            const Pick& pick) {
   const int topology = fixed_topology_for(params, 32);
   KernelArgs args = kernel_args(params, plan_for(params, 32));
   int64_t blocks = ceil_div(params.num_tokens, tokens_per_block);
@@ -82,7 +82,7 @@ GpuError launch_gate_kernel(const BiasedGroupedTopkParams& params, int threads,
   return visit_dtypes(params, [&](auto logits, auto bias) -> GpuError {
     const Kernel kernel = pick(logits, bias, topology);
     if (kernel == nullptr) return "biased_grouped_topk: no kernel for this gate (internal error)";
-    return launch(kernel, blocks, threads, smem_bytes, stream, args);
+    return launch(kernel, blocks, threads, 0, stream, args);
   });
 }
 

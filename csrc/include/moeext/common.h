@@ -94,9 +94,8 @@ bool gpu_programmatic_dependent_launch_supported();
 // biased_grouped_topk instances that compute the same bits by other instructions, kept beside
 // the current one (variant 0) so that all can be timed in one process on a GPU (bench_cuda.py
 // --only routing_variant, and --only routing_options_variant for 3) before the fastest becomes
-// the only one. 0 unless set; a developer's switch
-// (moeext._C), not part of the API. Read by the launcher at launch, so a CUDA graph keeps the
-// variant that was set while it was captured.
+// the only one. 0 unless set; a developer's switch (moeext._C), not part of the API. Read by
+// the launcher at launch, so a CUDA graph keeps the variant that was set while it was captured.
 //   1: the kernel before the sorted lanes and the model gates' own instances
 //      (grouped_topk_warp.h, sorts_lanes; grouped_topk_plan.h, FixedTopology): an argmax
 //      round over every expert a lane holds, the weight sum over every lane;
