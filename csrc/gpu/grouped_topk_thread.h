@@ -5,8 +5,8 @@
 // The warp kernel spreads a token's experts over 32 lanes, and most of its instructions are
 // the lanes agreeing: the group scores' butterfly, the ranks, and a warp reduction a round.
 // Here a thread holds its token alone, so nothing is exchanged: it scores every expert once
-// for the group scores, ranks the groups, then scores the kept groups' experts again and keeps
-// the topk largest in a sorted list of registers: fewer instructions a token than the warp
+// for the group scores, keeping each b in shared memory, ranks the groups, then offers the kept
+// groups' b to a sorted list of topk registers: fewer instructions a token than the warp
 // kernel's (docs/notes/gpu-kernels.md has the counts). A decode batch has too few tokens to
 // fill the GPU this way: the variant is for the A/B at large T.
 //
@@ -23,7 +23,9 @@
 namespace moeext::gpu::grouped_topk {
 namespace {
 
-constexpr int kThreadKernelThreads = 64;
+// A warp a block: the b of every expert of its 32 tokens (32 KiB for DeepSeek-V3) then fit the
+// 48 KiB of static shared memory a block may have.
+constexpr int kThreadKernelThreads = 32;
 
 // The K largest values offered so far, largest first, with their experts. Empty slots hold 0,
 // below every real value's ordered bits (-inf's are 0x007fffff).
@@ -59,13 +61,6 @@ __device__ __forceinline__ void top_list_offer(TopList<K>& top, uint32_t value, 
   top.id[0] = first ? id : top.id[0];
 }
 
-// Where expert e's bias sits in shared memory: a word of padding after each group, so that
-// threads reading the same expert of different groups read different banks.
-template <int kGroupSize>
-__device__ __forceinline__ int bias_slot(int e) {
-  return e + e / kGroupSize;
-}
-
 // kTopology: the gate (FixedTopology id); its counts and scoring function are constants.
 template <typename LogitT, typename BiasT, int kTopology>
 __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) {
@@ -82,12 +77,16 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
   const BiasedGroupedTopkParams& p = args.p;
   const ScoringFunc scoring = kShape.scoring_func;
 
-  // The bias, a word of padding after each group (bias_slot).
-  __shared__ float bias[kExperts + kGroups];
+  // The bias: every thread of a warp reads the same expert's at once.
+  __shared__ float bias[kExperts];
+  // Where groups are selected, each thread's b of every expert from the first pass, for the
+  // second: the bits of b of expert e of thread t in saved[e / 4][t], so that a warp's 16-byte
+  // accesses to four experts each fall on 32 distinct banks a quarter-warp.
+  __shared__ uint4 saved[kSelectGroups ? kExperts / 4 : 1][kThreadKernelThreads];
   if constexpr (kHasBias) {
     const BiasT* const source = static_cast<const BiasT*>(p.correction_bias);
     for (int e = thread_index(); e < kExperts; e += kThreadKernelThreads) {
-      bias[bias_slot<kGroupSize>(e)] = to_float(source[int64_t(e) * p.bias_stride]);
+      bias[e] = to_float(source[int64_t(e) * p.bias_stride]);
     }
     __syncthreads();
   }
@@ -105,7 +104,7 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
       for (int i = 0; i < kChunk; ++i) {
         s[i] = elementwise_score(scoring, s[i]);
         float biased = s[i];
-        if constexpr (kHasBias) biased += bias[bias_slot<kGroupSize>(first + i)];
+        if constexpr (kHasBias) biased += bias[first + i];
         b[i] = nan_to_neg_inf(biased);
       }
     };
@@ -125,6 +124,12 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
           score_chunk(first);
 #pragma unroll
           for (int i = 0; i < kChunk; ++i) top2 = top2_push(top2, b[i]);
+#pragma unroll
+          for (int q = 0; q < kChunk / 4; ++q) {
+            saved[first / 4 + q][thread_index()] =
+                make_uint4(float_bits(b[4 * q]), float_bits(b[4 * q + 1]),
+                           float_bits(b[4 * q + 2]), float_bits(b[4 * q + 3]));
+          }
         }
         const uint64_t key =
             key_from_ordered(ordered_bits(group_score(top2, kHasBias, kGroupSize)), uint32_t(g));
@@ -144,7 +149,8 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
     }
 
     // Steps 5-6: the kept groups' experts offered in ascending order, the j-th kept group of
-    // every thread at once (a loop over all groups would run each group any thread keeps).
+    // every thread at once (a loop over all groups would run each group any thread keeps),
+    // their b as the first pass left them, or scored here where every group is kept.
     TopList<kTopk> top;
     top_list_clear(top);
     constexpr int kKeptGroups = kSelectGroups ? kShape.topk_group : kGroups;
@@ -155,7 +161,18 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
 #pragma unroll 1
       for (int c = 0; c < kGroupSize; c += kChunk) {
         const int first = g * kGroupSize + c;
-        score_chunk(first);
+        if constexpr (kSelectGroups) {
+#pragma unroll
+          for (int q = 0; q < kChunk / 4; ++q) {
+            const uint4 kept_b = saved[first / 4 + q][thread_index()];
+            b[4 * q] = bits_float(kept_b.x);
+            b[4 * q + 1] = bits_float(kept_b.y);
+            b[4 * q + 2] = bits_float(kept_b.z);
+            b[4 * q + 3] = bits_float(kept_b.w);
+          }
+        } else {
+          score_chunk(first);
+        }
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) {
           top_list_offer(top, ordered_bits(b[i]), uint32_t(first + i));

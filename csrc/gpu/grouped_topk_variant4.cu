@@ -20,8 +20,10 @@ Kernel variant_4_kernel(int topology) {
 
 }  // namespace
 
+// Blocks of one warp, up to 32 a multiprocessor (the most sm_90 keeps resident; DeepSeek-V3's
+// 33 KiB of shared memory a block keeps six).
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream) {
-  return launch_gate_kernel(params, kThreadKernelThreads, kThreadKernelThreads, 16, stream,
+  return launch_gate_kernel(params, kThreadKernelThreads, kThreadKernelThreads, 32, stream,
                             [](auto logits, auto bias, int gate) {
                               using LogitT = typename decltype(logits)::type;
                               using BiasT = typename decltype(bias)::type;
