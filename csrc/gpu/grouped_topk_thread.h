@@ -6,9 +6,9 @@
 // the lanes agreeing: the group scores' butterfly, the ranks, and a warp reduction a round.
 // Here a thread holds its token alone, so nothing is exchanged: it scores every expert once
 // for the group scores, keeping each b in shared memory, ranks the groups, then offers the kept
-// groups' b to a sorted list of topk registers: fewer instructions a token than the warp
-// kernel's (docs/notes/gpu-kernels.md has the counts). A decode batch has too few tokens to
-// fill the GPU this way: the variant is for the A/B at large T.
+// groups' b that can win to a sorted list of topk registers: fewer instructions a token than
+// the warp kernel's (docs/notes/gpu-kernels.md has the counts). A decode batch has too few
+// tokens to fill the GPU this way: the variant is for the A/B at large T.
 //
 // The same bits as the warp kernel: the same score, bias, NaN and key functions
 // (host_device/routing.h), the groups ranked by the same keys, the experts offered in
@@ -72,7 +72,13 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
   constexpr int kChunk = 8;  // experts a load
   constexpr bool kHasBias = !std::is_same_v<BiasT, NoBias>;
   constexpr bool kSelectGroups = kShape.topk_group < kGroups;
+  // Each kept group has two experts whose b is at least its second largest, so at least
+  // 2 * topk_group experts reach the smallest of the kept groups' second largest: where topk is
+  // no more, no expert below it can win, and only the kept experts that reach it are offered.
+  constexpr bool kFilter = kSelectGroups && kTopk <= 2 * kShape.topk_group;
+  constexpr int kKeptGroups = kSelectGroups ? kShape.topk_group : kGroups;
   static_assert(kGroupSize % kChunk == 0, "whole chunks a group");
+  static_assert(!kFilter || kExperts <= 256, "an expert a byte");
   static_assert(kGroups <= 32, "a bit a group");
   const BiasedGroupedTopkParams& p = args.p;
   const ScoringFunc scoring = kShape.scoring_func;
@@ -83,6 +89,15 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
   // second: the bits of b of expert e of thread t in saved[e / 4][t], so that a warp's 16-byte
   // accesses to four experts each fall on 32 distinct banks a quarter-warp.
   __shared__ uint4 saved[kSelectGroups ? kExperts / 4 : 1][kThreadKernelThreads];
+  // Where kFilter, the experts offered, in order, of thread t in offered_id[k][t]; their b
+  // overwrite the front of the thread's saved words (what is written never passes what is
+  // read, the kept groups being read in ascending order).
+  __shared__ uint8_t offered_id[kFilter ? kKeptGroups * kGroupSize : 1][kThreadKernelThreads];
+  // Word w (expert w's b in the first pass) of this thread's saved column.
+  uint32_t* const saved_words = reinterpret_cast<uint32_t*>(saved) + 4 * thread_index();
+  const auto saved_word = [&](uint32_t w) -> uint32_t& {
+    return saved_words[w / 4 * (4 * kThreadKernelThreads) + w % 4];
+  };
   if constexpr (kHasBias) {
     const BiasT* const source = static_cast<const BiasT*>(p.correction_bias);
     for (int e = thread_index(); e < kExperts; e += kThreadKernelThreads) {
@@ -114,8 +129,10 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
     // The loops over groups and chunks stay loops: unrolled, a token's code would not fit the
     // instruction cache. A group's key goes to its register by selects, not by indexing.
     uint32_t kept = kGroups == 32 ? ~0u : (1u << kGroups) - 1;
+    float threshold = neg_inf();  // the least b offered (kFilter)
     if constexpr (kSelectGroups) {
       uint64_t group_key[kGroups] = {};
+      float group_second[kGroups] = {};  // each group's second largest b (kFilter)
 #pragma unroll 1
       for (int g = 0; g < kGroups; ++g) {
         Top2 top2 = top2_empty();
@@ -134,7 +151,10 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
         const uint64_t key =
             key_from_ordered(ordered_bits(group_score(top2, kHasBias, kGroupSize)), uint32_t(g));
 #pragma unroll
-        for (int h = 0; h < kGroups; ++h) group_key[h] = h == g ? key : group_key[h];
+        for (int h = 0; h < kGroups; ++h) {
+          group_key[h] = h == g ? key : group_key[h];
+          group_second[h] = h == g ? top2.second : group_second[h];
+        }
       }
       kept = 0;
 #pragma unroll
@@ -146,14 +166,23 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
         }
         kept |= rank < kShape.topk_group ? 1u << g : 0u;
       }
+      if constexpr (kFilter) {
+        threshold = -neg_inf();
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+          threshold = (kept >> g) & 1u ? fminf(threshold, group_second[g]) : threshold;
+        }
+      }
     }
 
     // Steps 5-6: the kept groups' experts offered in ascending order, the j-th kept group of
     // every thread at once (a loop over all groups would run each group any thread keeps),
-    // their b as the first pass left them, or scored here where every group is kept.
+    // their b as the first pass left them, or scored here where every group is kept. Where
+    // kFilter, those below the threshold are left out first: a store and a count an expert,
+    // where an offer takes about forty instructions.
     TopList<kTopk> top;
     top_list_clear(top);
-    constexpr int kKeptGroups = kSelectGroups ? kShape.topk_group : kGroups;
+    uint32_t offered = 0;
 #pragma unroll 1
     for (int j = 0; j < kKeptGroups; ++j) {
       const int g = __ffs(int(kept)) - 1;
@@ -175,9 +204,20 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
         }
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) {
-          top_list_offer(top, ordered_bits(b[i]), uint32_t(first + i));
+          if constexpr (kFilter) {
+            saved_word(offered) = float_bits(b[i]);
+            offered_id[offered][thread_index()] = uint8_t(first + i);
+            offered += b[i] >= threshold ? 1u : 0u;
+          } else {
+            top_list_offer(top, ordered_bits(b[i]), uint32_t(first + i));
+          }
         }
       }
+    }
+#pragma unroll 1
+    for (uint32_t k = 0; k < offered; ++k) {
+      top_list_offer(top, host_device::ordered_bits_nan_free(bits_float(saved_word(k))),
+                     uint32_t(offered_id[k][thread_index()]));
     }
 
     // Step 7: each winner's unbiased score again, the weights added in winning order.
