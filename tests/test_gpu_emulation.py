@@ -184,9 +184,9 @@ def test_routing_variants_4_and_5_route_a_gate_as_the_warp_kernel(emu, preset, d
                                                                   bias_dtype, variant):
     """Routing variants 4 (a gate's plain calls one thread a token, grouped_topk_thread.h) and
     5 (a token a block, grouped_topk_gate_block.h): the warp kernel's ids and weights on rows
-    of NaN, inf, -inf and ties (every expert equal, and equal b across groups), a
-    column-strided view, more tokens than one block's threads, and without a
-    renormalisation; on HIP's 64-lane build the warp kernel routes it."""
+    of NaN, inf, -inf (some winning by their bias), subnormal scores and ties (every expert
+    equal, and equal b across groups), a column-strided view, more tokens than one block's
+    threads, and without a renormalisation; on HIP's 64-lane build the warp kernel routes it."""
     p = PRESETS[preset]
     num_tokens = 150
     g = torch.Generator().manual_seed(len(preset) + num_tokens)
@@ -198,6 +198,11 @@ def test_routing_variants_4_and_5_route_a_gate_as_the_warp_kernel(emu, preset, d
     logits[4, ::2] = float("-inf")
     logits[5, 7::32] = 9.0  # the same expert of each group ties across groups
     logits[6] = logits[6, :8].repeat(p.num_experts // 8)  # each group the same values
+    # -inf's score is 0, so a bias ranks them (1 / (1 + exp(inf)) has no fast reciprocal);
+    # below about -87.3 the score is subnormal, ranked by its value without a bias.
+    logits[7] = float("-inf")
+    logits[7, [0, 40, 77]] = 1.0
+    logits[8] = -88.0 - 14.0 * torch.rand(p.num_experts, generator=g)
     bias = (None if bias_dtype is None
             else (2 + 0.05 * torch.randn(p.num_experts, generator=g)).to(bias_dtype))
     wide = torch.zeros(num_tokens, 2 * p.num_experts, dtype=dtype)

@@ -1427,8 +1427,8 @@ def test_out_form_bumps_the_versions_of_what_it_writes(device):
 def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, variant):
     """Each variant of the warp kernel (moeext._C._set_gpu_routing_variant, kept for A/B
     timing) gives the current kernel's bits (which the other tests hold to the reference): odd
-    batches, every logits dtype with each bias dtype, rows of ties, NaN and inf, and a
-    column-strided view."""
+    batches, every logits dtype with each bias dtype, rows of ties, NaN, inf and -inf (some
+    winning by their bias) and of subnormal scores, and a column-strided view."""
     num_experts, num_expert_group, topk_group, topk = topology
     kw = dict(num_expert_group=num_expert_group, topk_group=topk_group, topk=topk,
               routed_scaling_factor=2.5, scoring_func=scoring_func)
@@ -1442,6 +1442,12 @@ def test_routing_variant_is_the_current_kernel(device, topology, scoring_func, v
             logits[2, : num_experts // 2] = float("inf")
             logits[3] = 0.0  # every expert ties
             logits[4, ::2] = float("-inf")
+            # -inf scores 0, so a bias ranks those experts; below about -87.3 the sigmoid is
+            # subnormal (the reciprocal's slow path), ranked by its value without a bias.
+            logits[5] = float("-inf")
+            logits[5, [0, num_experts // 3, num_experts // 2]] = 1.0
+            low = torch.rand(num_experts, generator=torch.Generator().manual_seed(6))
+            logits[6] = (-88.0 - 14.0 * low).to(device)
             cases.append((logits, bias))
             wide = torch.zeros(97, 2 * num_experts, dtype=logits_dtype, device=device)
             wide[:, ::2] = logits[:97]

@@ -121,6 +121,60 @@ __device__ __forceinline__ float elementwise_score(ScoringFunc scoring_func, flo
   return sqrtf(x > 20.0f ? x : log1pf(expf(x)));
 }
 
+// 1 / d for d in [1, 2^126). On CUDA: the path the compiler's IEEE reciprocal takes for such a
+// d (MUFU.RCP and one Newton step, correctly rounded there), without its test of d's exponent
+// and the call to its slow path that each reciprocal otherwise carries. Elsewhere the division.
+__device__ __forceinline__ float reciprocal_in_range(float d) {
+#if !defined(MOEEXT_HIP) && defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return fmaf(r, -fmaf(d, r, -1.0f), r);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// elementwise_score's sigmoid of N logits in place, the same bits: one range test for all N
+// denominators (their largest bits as integers, a NaN's above every number's), and the IEEE
+// division for all N only where one is 2^126 or more (a logit below about -87.3) or NaN.
+template <int N>
+__device__ __forceinline__ void sigmoid_scores(float (&x)[N]) {
+  constexpr uint32_t kSlowPathBits = 0x7e800000u;  // 2^126
+  float denominator[N];
+  uint32_t largest = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    denominator[i] = 1.0f + expf(-x[i]);
+    const uint32_t bits = float_bits(denominator[i]);
+    largest = bits > largest ? bits : largest;
+  }
+  if (largest < kSlowPathBits) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = reciprocal_in_range(denominator[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = 1.0f / denominator[i];
+  }
+}
+
+// elementwise_score of N logits in place, for a scoring function known at compile time.
+template <ScoringFunc kScoring, int N>
+__device__ __forceinline__ void elementwise_scores(float (&x)[N]) {
+  if constexpr (kScoring == ScoringFunc::kSigmoid) {
+    sigmoid_scores(x);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = elementwise_score(kScoring, x[i]);
+  }
+}
+
+// top2_push for an x that is neither NaN nor -0 (b after fmaxf(b, -inf), whose s is at least
+// +0): the same two values by fmaxf and fminf, an instruction each, where top2_push's compares
+// and selects keep x86's NaN semantics.
+__device__ __forceinline__ Top2 top2_push_nan_free(Top2 t, float x) {
+  return Top2{fmaxf(x, t.first), fmaxf(fminf(x, t.first), t.second)};
+}
+
 // The dynamic shared memory of both kernels; uint4 gives the base 16-byte alignment.
 __device__ __forceinline__ uint32_t* shared_words() {
   extern __shared__ uint4 moeext_grouped_topk_smem[];

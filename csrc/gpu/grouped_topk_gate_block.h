@@ -131,14 +131,14 @@ __device__ __forceinline__ void route_tokens_per_block(
       load_thread_experts<V>(
           static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
           p.gating_col_stride, first, Shape::kExperts, s);
+      elementwise_scores<kScoring>(s);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        s[i] = elementwise_score(kScoring, s[i]);
         float b = s[i];
         if constexpr (kHasBias) b += bias[i];
-        b = nan_to_neg_inf(b);
-        value[i] = ordered_bits(b);
-        if constexpr (Shape::kSelectGroups) top2 = top2_push(top2, b);
+        b = fmaxf(b, neg_inf());  // -inf for NaN: no NaN and no -0 left
+        value[i] = host_device::ordered_bits_nan_free(b);
+        if constexpr (Shape::kSelectGroups) top2 = top2_push_nan_free(top2, b);
       }
     }
 

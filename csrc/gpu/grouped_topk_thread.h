@@ -81,7 +81,6 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
   static_assert(!kFilter || kExperts <= 256, "an expert a byte");
   static_assert(kGroups <= 32, "a bit a group");
   const BiasedGroupedTopkParams& p = args.p;
-  const ScoringFunc scoring = kShape.scoring_func;
 
   // The bias: every thread of a warp reads the same expert's at once.
   __shared__ float bias[kExperts];
@@ -113,14 +112,15 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
     // s of a chunk's experts [first, first + kChunk), in place of their logits, and b of each.
     float s[kChunk];
     float b[kChunk];
+    // b as fmaxf(b, -inf): -inf for NaN, as nan_to_neg_inf gives, in one instruction.
     const auto score_chunk = [&](int first) {
       load_experts<kChunk>(row, p.gating_col_stride, first, kExperts, s);
+      elementwise_scores<kShape.scoring_func>(s);
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) {
-        s[i] = elementwise_score(scoring, s[i]);
         float biased = s[i];
         if constexpr (kHasBias) biased += bias[first + i];
-        b[i] = nan_to_neg_inf(biased);
+        b[i] = fmaxf(biased, neg_inf());
       }
     };
 
@@ -140,7 +140,7 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
         for (int first = g * kGroupSize; first < (g + 1) * kGroupSize; first += kChunk) {
           score_chunk(first);
 #pragma unroll
-          for (int i = 0; i < kChunk; ++i) top2 = top2_push(top2, b[i]);
+          for (int i = 0; i < kChunk; ++i) top2 = top2_push_nan_free(top2, b[i]);
 #pragma unroll
           for (int q = 0; q < kChunk / 4; ++q) {
             saved[first / 4 + q][thread_index()] =
@@ -222,11 +222,15 @@ __device__ __forceinline__ void route_tokens_per_thread(const KernelArgs& args) 
 
     // Step 7: each winner's unbiased score again, the weights added in winning order.
     float weight[kTopk];
+#pragma unroll
+    for (int j = 0; j < kTopk; ++j) {
+      weight[j] = to_float(row[int64_t(top.id[j]) * p.gating_col_stride]);
+    }
+    elementwise_scores<kShape.scoring_func>(weight);
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kTopk; ++j) {
-      const float x = to_float(row[int64_t(top.id[j]) * p.gating_col_stride]);
-      weight[j] = weight_of_score(elementwise_score(scoring, x));
+      weight[j] = weight_of_score(weight[j]);
       sum += weight[j];
     }
 #pragma unroll

@@ -48,6 +48,9 @@ def _host_form(match):
             r'"=r"\((\w+)\)\s*:\s*"l"\(__cvta_generic_to_global\((\w+)\)\),\s*"r"\((\w+)\)',
             body).groups()
         return f"{out} = ::moeext_emu::fetch_add_acq_rel({address}, {value});"
+    if instruction.startswith("rcp.approx.ftz.f32 "):
+        out, value = re.search(r'"=f"\((\w+)\)\s*:\s*"f"\((.*)\)\s*$', body, re.S).groups()
+        return f"{out} = ::moeext_emu::rcp_approx_ftz({value});"
     if instruction in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
         return "(void)0;"  # one grid at a time: nothing to wait for, nothing to let start
     if instruction.startswith("prefetch.global.L2 "):

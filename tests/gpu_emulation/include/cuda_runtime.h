@@ -22,6 +22,16 @@ inline float half_bits_to_float(uint16_t bits) {
   return float(__builtin_bit_cast(_Float16, bits));
 }
 
+// rcp.approx.ftz.f32: the correctly rounded reciprocal (within the instruction's error), a
+// subnormal input or result flushed to a zero of its sign as .ftz does; so the Newton step
+// after it (reciprocal_in_range) gives 0 or NaN where the IEEE division gives a subnormal or 0,
+// as on the GPU.
+inline float rcp_approx_ftz(float x) {
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.0f, x);
+  const float r = 1.0f / x;
+  return std::fpclassify(r) == FP_SUBNORMAL ? std::copysign(0.0f, r) : r;
+}
+
 }  // namespace moeext_emu
 
 template <typename T>
