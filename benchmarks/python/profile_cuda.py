@@ -10,7 +10,9 @@ report's kernels line up with the names).
   route-*   biased_grouped_topk, sigmoid, fp32 bias, bf16 logits (the warp kernel, in the
             gate's own instance; *-v1: its routing variant 1, the kernel before the sorted
             lanes and those instances, set for the call: moeext::gpu_routing_variant; *-v4:
-            variant 4, a token a thread; *-v5: variant 5, a token a block)
+            variant 4, a token a thread; *-v5: variant 5, a token a block; *-v6: variant 6,
+            the gate's instance scoring each lane's experts as a chunk; *-v7: variant 7, a
+            token two threads)
   gemm-*    router_gemm, H = 7168, bf16 -> fp32 (the small-T kernel)
   fused-*   fused_router, H = 7168, as its one-launch decode kernel (fused router variant 1;
             calls run the two kernels the gemm and route cases profile)
@@ -39,6 +41,8 @@ CASES = {
     "route-dsv3-bf16-t16384-v1": ("route", "deepseek-v3", 16384, 1),
     "route-dsv3-bf16-t16384-v4": ("route", "deepseek-v3", 16384, 4),
     "route-dsv3-bf16-t1-v5": ("route", "deepseek-v3", 1, 5),
+    "route-dsv3-bf16-t16384-v6": ("route", "deepseek-v3", 16384, 6),
+    "route-dsv3-bf16-t16384-v7": ("route", "deepseek-v3", 16384, 7),
     "route-kimi-bf16-t1": ("route", "kimi-k2", 1, 0),
     "route-kimi-bf16-t1-v1": ("route", "kimi-k2", 1, 1),
     "gemm-e256-t1": ("gemm", "deepseek-v3", 1, 0),

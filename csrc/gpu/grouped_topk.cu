@@ -79,6 +79,8 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
     case 3: return launch_routing_variant_3(params, stream);
     case 4: return launch_routing_variant_4(params, stream);
     case 5: return launch_routing_variant_5(params, stream);
+    case 6: return launch_routing_variant_6(params, stream);
+    case 7: return launch_routing_variant_7(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
 }
@@ -95,7 +97,9 @@ bool variant_differs(int variant, const BiasedGroupedTopkParams& params, int war
     }
     case 3: return options && fixed_topology_for(params, warp_size) != 0;
     case 4:
-    case 5: return !options && fixed_topology_for(params, warp_size) != 0;
+    case 5:
+    case 6:
+    case 7: return !options && fixed_topology_for(params, warp_size) != 0;
   }
   return false;
 }

@@ -12,8 +12,8 @@ template <typename LogitT, typename BiasT>
 Kernel variant_4_kernel(int topology) {
   static_assert(kCurrentFixedTopologies == 3, "an instance for each current fixed topology");
   switch (topology) {
-    case 1: return grouped_topk_thread_kernel<LogitT, BiasT, 1>;
-    case 2: return grouped_topk_thread_kernel<LogitT, BiasT, 2>;
+    case 1: return grouped_topk_thread_kernel<LogitT, BiasT, 1, 1>;
+    case 2: return grouped_topk_thread_kernel<LogitT, BiasT, 2, 1>;
   }
   return nullptr;
 }

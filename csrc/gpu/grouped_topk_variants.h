@@ -25,6 +25,11 @@ GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* s
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
 // Variant 5 likewise: those calls a token a block (grouped_topk_gate_block.h).
 GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 6 likewise: those calls by the gates' own warp kernel instances, each lane's experts
+// scored as one chunk.
+GpuError launch_routing_variant_6(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 7 likewise: variant 4 with two threads a token (grouped_topk_thread.h, kSplit).
+GpuError launch_routing_variant_7(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 
