@@ -27,9 +27,9 @@ def test_lists_every_case_with_a_known_preset(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == list(profile.CASES)
     for op, preset, tokens, variant in profile.CASES.values():
-        assert op in ("route", "gemm", "fused") and preset in PRESETS and tokens >= 1
+        assert op in ("route", "counts", "gemm", "fused") and preset in PRESETS and tokens >= 1
         # A routing variant the build has, and only where routing runs.
-        assert 0 <= variant and (op == "route" or variant == 0)
+        assert 0 <= variant and (op in ("route", "counts") or variant == 0)
         previous = moeext._C._set_gpu_routing_variant(variant)
         moeext._C._set_gpu_routing_variant(previous)
 

@@ -13,6 +13,10 @@ report's kernels line up with the names).
             variant 4, a token a thread; *-v5: variant 5, a token a block; *-v6: variant 6,
             the gate's instance scoring each lane's experts as a chunk; *-v7: variant 7, a
             token two threads)
+  counts-*  the same with the expert_counts option (int32 counters): any one option cost about
+            1 us at T = 1 on an H200 (2026-11-30), whichever it was; *-v3: routing variant 3,
+            the gate's own instance with the options, where the current kernel runs the
+            generic options instance
   gemm-*    router_gemm, H = 7168, bf16 -> fp32 (the small-T kernel)
   fused-*   fused_router, H = 7168, as its one-launch decode kernel (fused router variant 1;
             calls run the two kernels the gemm and route cases profile)
@@ -43,6 +47,8 @@ CASES = {
     "route-dsv3-bf16-t1-v5": ("route", "deepseek-v3", 1, 5),
     "route-dsv3-bf16-t16384-v6": ("route", "deepseek-v3", 16384, 6),
     "route-dsv3-bf16-t16384-v7": ("route", "deepseek-v3", 16384, 7),
+    "counts-dsv3-bf16-t1": ("counts", "deepseek-v3", 1, 0),
+    "counts-dsv3-bf16-t1-v3": ("counts", "deepseek-v3", 1, 3),
     "route-kimi-bf16-t1": ("route", "kimi-k2", 1, 0),
     "route-kimi-bf16-t1-v1": ("route", "kimi-k2", 1, 1),
     "gemm-e256-t1": ("gemm", "deepseek-v3", 1, 0),
@@ -71,9 +77,12 @@ def case_call(torch, moeext, preset, op, num_tokens):
     bias = 2 + 0.05 * torch.randn(preset.num_experts, device="cuda", generator=g)
     rest = (preset.num_expert_group, preset.topk_group, preset.topk, preset.renormalize,
             preset.routed_scaling_factor, preset.scoring_func)
-    if op == "route":
+    if op in ("route", "counts"):
         logits = torch.randn(num_tokens, preset.num_experts, device="cuda",
                              generator=g).bfloat16()
+        if op == "counts":
+            counts = torch.zeros(preset.num_experts, device="cuda", dtype=torch.int32)
+            return lambda: moeext.biased_grouped_topk(logits, bias, *rest, expert_counts=counts)
         return lambda: moeext.biased_grouped_topk(logits, bias, *rest)
     x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=g).bfloat16()
     w = (0.02 * torch.randn(preset.num_experts, HIDDEN, device="cuda", generator=g)).bfloat16()
