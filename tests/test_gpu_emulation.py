@@ -148,7 +148,7 @@ def _route(emu, logits, bias, p):
 
 ROUTING_CASES = [(preset, dtype, num_tokens)
                  for preset in ("deepseek-v3", "kimi-k2", "deepseek-v4-flash", "deepseek-v4-pro",
-                                "nemotron-style", "deepseek-v2")
+                                "nemotron-style", "deepseek-v2", "glm-4.5")
                  for dtype in (torch.float32, torch.bfloat16)
                  for num_tokens in (1, 37, 300)]
 
@@ -160,6 +160,10 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     g = torch.Generator().manual_seed(num_tokens)
     logits = (2 * torch.randn(num_tokens, p.num_experts, generator=g)).to(dtype)
     logits[num_tokens // 2, : p.num_experts // 2] = 0.5  # a row of ties
+    if num_tokens > 2:
+        # b of -inf everywhere: no lane past the row may win, whatever it holds.
+        logits[-1] = float("nan")
+        logits[1, ::2] = float("-inf")
     bias = (2 + 0.05 * torch.randn(p.num_experts, generator=g)) if p.has_bias else None
     _configure(emu)
     expected = _route(emu, logits, bias, p)

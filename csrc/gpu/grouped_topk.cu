@@ -90,7 +90,8 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
 bool variant_differs(int variant, const BiasedGroupedTopkParams& params, int warp_size) {
   const bool options = params.options.any();
   switch (variant) {
-    case 1: return !options;
+    case 1:
+    case 6: return !options;
     case 2: {
       return !options &&
              fixed_topology_for(params, warp_size, kFixedTopologies) >= kCurrentFixedTopologies;
@@ -98,7 +99,6 @@ bool variant_differs(int variant, const BiasedGroupedTopkParams& params, int war
     case 3: return options && fixed_topology_for(params, warp_size) != 0;
     case 4:
     case 5:
-    case 6:
     case 7: return !options && fixed_topology_for(params, warp_size) != 0;
   }
   return false;

@@ -33,14 +33,14 @@ Kernel fixed_topology_kernel(int experts_per_lane) {
 }
 
 // The warp kernel instance for experts_per_lane, or null. A plain call of the current kernel
-// on 32-lane warps whose topology is FixedTopology `topology` (fixed_topology_for) runs that
-// model gate's instance.
+// (or of variant 6) on 32-lane warps whose topology is FixedTopology `topology`
+// (fixed_topology_for) runs that model gate's instance.
 template <int kWarpSize, typename LogitT, typename BiasT, bool kOptions, int kVariant>
 Kernel warp_kernel(int experts_per_lane, int topology = 0) {
-  if constexpr (kWarpSize == 32 && !kOptions && kVariant == 0) {
+  if constexpr (kWarpSize == 32 && !kOptions && (kVariant == 0 || kVariant == 6)) {
     static_assert(kCurrentFixedTopologies == 3, "an instance for each current fixed topology");
-    if (topology == 1) return fixed_topology_kernel<LogitT, BiasT, 0, 1>(experts_per_lane);
-    if (topology == 2) return fixed_topology_kernel<LogitT, BiasT, 0, 2>(experts_per_lane);
+    if (topology == 1) return fixed_topology_kernel<LogitT, BiasT, kVariant, 1>(experts_per_lane);
+    if (topology == 2) return fixed_topology_kernel<LogitT, BiasT, kVariant, 2>(experts_per_lane);
   } else {
     (void)topology;
   }

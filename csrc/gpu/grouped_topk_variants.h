@@ -25,8 +25,8 @@ GpuError launch_routing_variant_3(const BiasedGroupedTopkParams& params, void* s
 GpuError launch_routing_variant_4(const BiasedGroupedTopkParams& params, void* stream);
 // Variant 5 likewise: those calls a token a block (grouped_topk_gate_block.h).
 GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* stream);
-// Variant 6 likewise: those calls by the gates' own warp kernel instances, each lane's experts
-// scored as one chunk.
+// Variant 6 as 1: every plain call the warp kernel takes, each lane's sigmoid scores as one
+// chunk (a gate with an instance of its own in that instance).
 GpuError launch_routing_variant_6(const BiasedGroupedTopkParams& params, void* stream);
 // Variant 7 likewise: variant 4 with two threads a token (grouped_topk_thread.h, kSplit).
 GpuError launch_routing_variant_7(const BiasedGroupedTopkParams& params, void* stream);
@@ -45,8 +45,9 @@ GpuError launch_plain_variant(const BiasedGroupedTopkParams& params, void* strea
       using LogitT = typename decltype(logits)::type;
       using BiasT = typename decltype(bias)::type;
       return launch_warp_kernel<kWarpSize>(
-          warp_kernel<kWarpSize, LogitT, BiasT, false, kVariant>(plan.experts_per_lane), args,
-          plan, stream);
+          warp_kernel<kWarpSize, LogitT, BiasT, false, kVariant>(
+              plan.experts_per_lane, fixed_topology_for(params, kWarpSize)),
+          args, plan, stream);
     });
   };
   if (warp_size == 64) return launch_for_width(std::integral_constant<int, 64>{});

@@ -240,10 +240,10 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   const int first = lane * V;  // this lane's experts: [first, first + V)
   const bool select_groups = topk_group < num_groups;
   const bool groups_in_registers = kFixed || args.group_scores_in_registers;
-  // Variant 6: a model gate's instance scores a lane's experts as one chunk (elementwise_scores:
-  // one range test for its V reciprocals), and its b, keys and group top 2 skip the NaN tests
-  // once fmaxf has made b NaN-free. Its lanes are full and its groups in registers.
-  constexpr bool kChunkScores = kVariant == 6 && kFixed;
+  // Variant 6: a lane's sigmoid scores as one chunk (sigmoid_scores: one range test for its V
+  // reciprocals), and b's keys and group top 2 without NaN tests once fmaxf has made b
+  // NaN-free (never -0 either: every score is at least +0).
+  constexpr bool kChunkScores = kVariant == 6;
   const int lanes_per_group = !kFixed ? args.lanes_per_group : select_groups ? group_size / V : 1;
   // This warp's row of b, when the groups are scored from shared memory.
   float* const shared_b = reinterpret_cast<float*>(shared_words()) + int64_t(warp) * num_experts;
@@ -262,8 +262,10 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     float s[V];
     load_experts<V>(static_cast<const LogitT*>(p.gating_output) + token * p.gating_row_stride,
                     p.gating_col_stride, first, num_experts, s);
-    if constexpr (kChunkScores) {
+    if constexpr (kChunkScores && kFixed) {
       elementwise_scores<kShape.scoring_func>(s);
+    } else if (kChunkScores && scoring_func == ScoringFunc::kSigmoid) {
+      sigmoid_scores(s);  // experts past the row are scored too, and left out below
     } else {
       score_lane<kWarpSize, V>(scoring_func, first, num_experts, s);
     }
@@ -277,10 +279,16 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
       float b = s[i];
       if constexpr (kHasBias) b += bias[i];
       if constexpr (kChunkScores) {
-        // -inf for NaN in one instruction; no NaN and no -0 left for the key and the top 2.
-        b = fmaxf(b, neg_inf());
-        value[i] = host_device::ordered_bits_nan_free(b);
-        if (select_groups) top2 = top2_push_nan_free(top2, b);
+        b = fmaxf(b, neg_inf());  // -inf for NaN in one instruction
+        const bool valid = kFixed || first + i < num_experts;
+        value[i] = valid ? host_device::ordered_bits_nan_free(b) : 0u;
+        if (select_groups && valid) {
+          if (groups_in_registers) {
+            top2 = top2_push_nan_free(top2, b);
+          } else {
+            shared_b[first + i] = b;
+          }
+        }
       } else {
         b = nan_to_neg_inf(b);
         const bool valid = first + i < num_experts;

@@ -109,9 +109,9 @@ bool gpu_programmatic_dependent_launch_supported();
 //   5: as 4, but a token a block of 256 threads, ranks counted in parallel in place of the
 //      argmax rounds (grouped_topk_gate_block.h, the fused router's single-token code), for
 //      the A/B at decode sizes;
-//   6: as 4, but by the gates' own warp kernel instances, each lane's experts scored as one
-//      chunk with one range test for their reciprocals (sigmoid_scores) and no NaN tests once
-//      b is NaN-free;
+//   6: the current kernel, each lane's sigmoid scores computed as one chunk with one range
+//      test for their reciprocals (sigmoid_scores) and no NaN tests once b is NaN-free, for
+//      every plain call the warp kernel takes;
 //   7: as 4, but two threads a token (grouped_topk_thread.h, kSplit), twice the warps.
 constexpr int kGpuRoutingVariants = 8;
 namespace detail {
