@@ -18,6 +18,7 @@
 
 #include <type_traits>
 
+#include "gpu/grouped_topk_variants.h"
 #include "gpu/grouped_topk_warp.h"
 
 namespace moeext::gpu::grouped_topk {
@@ -354,6 +355,26 @@ __global__ void __launch_bounds__(kThreadKernelThreads)
   wait_for_prior_grids();
   allow_dependent_grids();
   route_tokens_per_thread<LogitT, BiasT, kTopology, kSplit>(args);
+}
+
+// Routing variants 4 (kSplit 1) and 7 (kSplit 2): a plain call of a gate with its own warp
+// kernel instance (FixedTopology ids below kCurrentFixedTopologies, 32-lane warps), in blocks of
+// one warp, up to 32 a multiprocessor (the shared memory keeps DeepSeek-V3 to six with kSplit 1,
+// ten with 2).
+template <int kSplit>
+GpuError launch_thread_kernel(const BiasedGroupedTopkParams& params, void* stream) {
+  return launch_gate_kernel(
+      params, kThreadKernelThreads, kThreadKernelThreads / kSplit, 32, stream,
+      [](auto logits, auto bias, int gate) -> Kernel {
+        using LogitT = typename decltype(logits)::type;
+        using BiasT = typename decltype(bias)::type;
+        static_assert(kCurrentFixedTopologies == 3, "an instance for each current fixed topology");
+        switch (gate) {
+          case 1: return grouped_topk_thread_kernel<LogitT, BiasT, 1, kSplit>;
+          case 2: return grouped_topk_thread_kernel<LogitT, BiasT, 2, kSplit>;
+        }
+        return nullptr;
+      });
 }
 
 }  // namespace

@@ -278,27 +278,27 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     for (int i = 0; i < V; ++i) {
       float b = s[i];
       if constexpr (kHasBias) b += bias[i];
+      // Variant 6: -inf for NaN in one instruction, then no NaN test in the key or the top 2.
       if constexpr (kChunkScores) {
-        b = fmaxf(b, neg_inf());  // -inf for NaN in one instruction
-        const bool valid = kFixed || first + i < num_experts;
-        value[i] = valid ? host_device::ordered_bits_nan_free(b) : 0u;
-        if (select_groups && valid) {
-          if (groups_in_registers) {
-            top2 = top2_push_nan_free(top2, b);
-          } else {
-            shared_b[first + i] = b;
-          }
-        }
+        b = fmaxf(b, neg_inf());
       } else {
         b = nan_to_neg_inf(b);
-        const bool valid = first + i < num_experts;
+      }
+      const bool valid = first + i < num_experts;
+      if constexpr (kChunkScores) {
+        value[i] = valid ? host_device::ordered_bits_nan_free(b) : 0u;
+      } else {
         value[i] = valid ? ordered_bits(b) : 0u;
-        if (select_groups && valid) {
-          if (groups_in_registers) {
-            top2 = top2_push(top2, b);
+      }
+      if (select_groups && valid) {
+        if (groups_in_registers) {
+          if constexpr (kChunkScores) {
+            top2 = top2_push_nan_free(top2, b);
           } else {
-            shared_b[first + i] = b;
+            top2 = top2_push(top2, b);
           }
+        } else {
+          shared_b[first + i] = b;
         }
       }
     }
