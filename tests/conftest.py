@@ -178,15 +178,16 @@ def emulated_gpu_ops(flavour, monkeypatch, nodeid):
     in which a block's threads run between meeting points (forward, backward, shuffled), the
     shuffle's seed, whether kernels launch with programmatic dependent launch, the routing
     variant (0; 3, a call with options of a gate with its own warp kernel instance runs that
-    instance; 4 to 7, a plain call of such a gate runs a token a thread, a token a block, its
-    own instance scoring each lane's experts as a chunk, or a token two threads)
+    instance; 4 to 8, a plain call of such a gate runs a token a thread, a token a block, its
+    own instance scoring each lane's experts as a chunk, a token two threads, or its own
+    instance finding the topk by a butterfly of list merges)
     and how a fused router call runs (moeext::gpu_fused_router_variant: the two kernels, or
     the one launch counting either way, or with the gate's own routing) come from the test's
     id, so that the emulated tests between them run each, and each test the same one every
     time."""
     ops = emulation_file("ops").EmulatedOps(emulated_gpu_module(flavour))
     key = zlib.crc32(nodeid.encode())
-    ops.module.configure(key % 3, key, 132, (0, 3, 4, 5, 6, 7)[(key >> 6) % 6], 0, (key >> 4) % 4,
+    ops.module.configure(key % 3, key, 132, (0, 3, 4, 5, 6, 7, 8)[(key >> 6) % 7], 0, (key >> 4) % 4,
                          bool(key & 8))
     for name in ops.NAMES:
         monkeypatch.setattr(moeext, name, getattr(ops, name))

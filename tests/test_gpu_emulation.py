@@ -168,7 +168,7 @@ def test_routing_variants_and_orders_change_no_bit(emu, preset, dtype, num_token
     _configure(emu)
     expected = _route(emu, logits, bias, p)
     assert_routing_matches(*expected, logits, bias, **p.op_kwargs())
-    for variant in (0, 1, 2, 4, 5, 6, 7):
+    for variant in (0, 1, 2, 4, 5, 6, 7, 8):
         for order, code in ORDERS.items():
             _configure(emu, order=code, routing=variant, seed=variant, pdl=code == 1)
             _assert_same_bits(_route(emu, logits, bias, p), expected,
@@ -181,14 +181,15 @@ THREAD_CASES = [(preset, dtype, bias_dtype) for preset in ("deepseek-v3", "kimi-
                 for bias_dtype in (torch.float32, torch.bfloat16, None)]
 
 
-@pytest.mark.parametrize("variant", [4, 5, 6, 7])
+@pytest.mark.parametrize("variant", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("preset,dtype,bias_dtype", THREAD_CASES,
                          ids=[f"{p}-{str(d)[6:]}-{str(b)[6:]}" for p, d, b in THREAD_CASES])
-def test_routing_variants_4_to_7_route_a_gate_as_the_warp_kernel(emu, preset, dtype,
+def test_routing_variants_4_to_8_route_a_gate_as_the_warp_kernel(emu, preset, dtype,
                                                                  bias_dtype, variant):
     """Routing variants 4 (a gate's plain calls one thread a token, grouped_topk_thread.h), 5
     (a token a block, grouped_topk_gate_block.h), 6 (the gate's warp kernel instance scoring
-    each lane's experts as a chunk) and 7 (a token two threads): the current kernel's ids and
+    each lane's experts as a chunk), 7 (a token two threads) and 8 (the topk by a butterfly of
+    the lanes' sorted lists): the current kernel's ids and
     weights on rows of NaN, inf, -inf (some winning by their bias), subnormal scores and ties
     (every expert equal, and equal b across groups), a column-strided view, more tokens than
     one block takes (150: not a whole number of blocks), and without a renormalisation; on

@@ -1417,10 +1417,10 @@ def test_out_form_bumps_the_versions_of_what_it_writes(device):
 
 @pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
     reason="needs a GPU and a moeext built for it"))])
-@pytest.mark.parametrize("variant", [1, 2, 4, 5, 6, 7])
+@pytest.mark.parametrize("variant", [1, 2, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("scoring_func", moeext.reference.SCORING_FUNCS)
 # And the model gates with instances of their own (FixedTopology): the current kernel's (which
-# variants 4 to 7 route otherwise), then variant 2's.
+# variants 4 to 8 route otherwise), then variant 2's.
 @pytest.mark.parametrize("topology", TOPOLOGIES + [(256, 8, 4, 8), (384, 1, 1, 8), (256, 1, 1, 6),
                                                    (384, 1, 1, 6), (512, 1, 1, 22)],
                          ids=lambda t: "x".join(map(str, t)))

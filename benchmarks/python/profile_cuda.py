@@ -12,7 +12,7 @@ report's kernels line up with the names).
             lanes and those instances, set for the call: moeext::gpu_routing_variant; *-v4:
             variant 4, a token a thread; *-v5: variant 5, a token a block; *-v6: variant 6,
             the gate's instance scoring each lane's experts as a chunk; *-v7: variant 7, a
-            token two threads)
+            token two threads; *-v8: variant 8, the topk by a butterfly of list merges)
   counts-*  the same with the expert_counts option (int32 counters): any one option cost about
             1 us at T = 1 on an H200 (2026-11-30), whichever it was; *-v3: routing variant 3,
             the gate's own instance with the options, where the current kernel runs the
@@ -47,6 +47,7 @@ CASES = {
     "route-dsv3-bf16-t1-v5": ("route", "deepseek-v3", 1, 5),
     "route-dsv3-bf16-t16384-v6": ("route", "deepseek-v3", 16384, 6),
     "route-dsv3-bf16-t16384-v7": ("route", "deepseek-v3", 16384, 7),
+    "route-dsv3-bf16-t1-v8": ("route", "deepseek-v3", 1, 8),
     "counts-dsv3-bf16-t1": ("counts", "deepseek-v3", 1, 0),
     "counts-dsv3-bf16-t1-v3": ("counts", "deepseek-v3", 1, 3),
     "route-kimi-bf16-t1": ("route", "kimi-k2", 1, 0),

@@ -81,6 +81,7 @@ GpuError launch_routing_variant(int variant, const BiasedGroupedTopkParams& para
     case 5: return launch_routing_variant_5(params, stream);
     case 6: return launch_routing_variant_6(params, stream);
     case 7: return launch_routing_variant_7(params, stream);
+    case 8: return launch_routing_variant_8(params, stream);
   }
   return "biased_grouped_topk: no such routing variant (internal error)";
 }
@@ -99,7 +100,8 @@ bool variant_differs(int variant, const BiasedGroupedTopkParams& params, int war
     case 3: return options && fixed_topology_for(params, warp_size) != 0;
     case 4:
     case 5:
-    case 7: return !options && fixed_topology_for(params, warp_size) != 0;
+    case 7:
+    case 8: return !options && fixed_topology_for(params, warp_size) != 0;
   }
   return false;
 }

@@ -64,37 +64,21 @@ __device__ __forceinline__ void top_list_offer(TopList<K>& top, uint32_t value, 
 
 // Two sorted lists of K (TopList), merged: the K best of both, in order. Both hold distinct
 // experts, each list's equal values in ascending expert order, so the keys (value, then the
-// lower expert) order them all: the best of each pair from the two ends is a bitonic sequence
-// holding the K best, which a bitonic merge sorts.
+// lower expert) order them all, and merge_top_keys keeps the K largest.
 template <int K>
 __device__ __forceinline__ void top_list_merge(TopList<K>& top, const TopList<K>& other) {
-  static_assert((K & (K - 1)) == 0, "a bitonic merge of a power of two");
-  const auto key = [](uint32_t value, uint32_t id) {
-    return uint64_t(value) << 32 | (0xffffffffu - id);
-  };
   uint64_t merged[K];
+  uint64_t theirs[K];
 #pragma unroll
   for (int i = 0; i < K; ++i) {
-    const uint64_t mine = key(top.value[i], top.id[i]);
-    const uint64_t theirs = key(other.value[K - 1 - i], other.id[K - 1 - i]);
-    merged[i] = mine > theirs ? mine : theirs;
+    merged[i] = key_from_ordered(top.value[i], top.id[i]);
+    theirs[i] = key_from_ordered(other.value[i], other.id[i]);
   }
-#pragma unroll
-  for (int span = K / 2; span > 0; span /= 2) {
-#pragma unroll
-    for (int i = 0; i < K; ++i) {
-      if ((i & span) == 0) {
-        const uint64_t high = merged[i] > merged[i + span] ? merged[i] : merged[i + span];
-        const uint64_t low = merged[i] > merged[i + span] ? merged[i + span] : merged[i];
-        merged[i] = high;
-        merged[i + span] = low;
-      }
-    }
-  }
+  merge_top_keys(merged, theirs);
 #pragma unroll
   for (int i = 0; i < K; ++i) {
     top.value[i] = uint32_t(merged[i] >> 32);
-    top.id[i] = 0xffffffffu - uint32_t(merged[i]);
+    top.id[i] = key_index(merged[i]);
   }
 }
 

@@ -30,6 +30,9 @@ GpuError launch_routing_variant_5(const BiasedGroupedTopkParams& params, void* s
 GpuError launch_routing_variant_6(const BiasedGroupedTopkParams& params, void* stream);
 // Variant 7 likewise: variant 4 with two threads a token (grouped_topk_thread.h, kSplit).
 GpuError launch_routing_variant_7(const BiasedGroupedTopkParams& params, void* stream);
+// Variant 8 likewise: those calls find their topk by a butterfly of list merges
+// (grouped_topk_warp.h, kMergeSelect).
+GpuError launch_routing_variant_8(const BiasedGroupedTopkParams& params, void* stream);
 
 namespace {
 
@@ -68,6 +71,24 @@ GpuError launch_fixed_topology_variant(const BiasedGroupedTopkParams& params, in
     return launch_warp_kernel<kWarpSize>(pick(logits, bias, topology, plan.experts_per_lane),
                                          args, plan, stream);
   });
+}
+
+// Launches, on 32-lane warps, variant kVariant's instance of the call's gate (its FixedTopology
+// id below kCurrentFixedTopologies), with the routing options where kOptions.
+template <int kVariant, bool kOptions>
+GpuError launch_gate_instance_variant(const BiasedGroupedTopkParams& params, void* stream) {
+  return launch_fixed_topology_variant(
+      params, kCurrentFixedTopologies, stream,
+      [](auto logits, auto bias, int topology, int lanes) -> Kernel {
+        using LogitT = typename decltype(logits)::type;
+        using BiasT = typename decltype(bias)::type;
+        static_assert(kCurrentFixedTopologies == 3, "an instance for each current fixed topology");
+        switch (topology) {
+          case 1: return fixed_topology_kernel<LogitT, BiasT, kVariant, 1, kOptions>(lanes);
+          case 2: return fixed_topology_kernel<LogitT, BiasT, kVariant, 2, kOptions>(lanes);
+        }
+        return nullptr;
+      });
 }
 
 // Launches pick(TypeTag<LogitT>, TypeTag<BiasT>, topology), a kernel for the call's dtypes and

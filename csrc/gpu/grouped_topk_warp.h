@@ -244,6 +244,12 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
   // reciprocals), and b's keys and group top 2 without NaN tests once fmaxf has made b
   // NaN-free (never -0 either: every score is at least +0).
   constexpr bool kChunkScores = kVariant == 6;
+  // Variant 8: a gate's own instance (topk up to 8) finds the topk by merging the lanes' sorted
+  // lists over a butterfly (merge_top_keys keeps the best kMergeWidth of two lanes' lists at
+  // each step), in place of topk argmax rounds that each wait on the one before.
+  constexpr int kMergeWidth = kFixed ? sort_network_width(kShape.topk) : 0;
+  constexpr bool kMergeSelect =
+      kVariant == 8 && kFixed && kMergeWidth <= 8 && V <= kMaxSortedExpertsPerLane;
   const int lanes_per_group = !kFixed ? args.lanes_per_group : select_groups ? group_size / V : 1;
   // This warp's row of b, when the groups are scored from shared memory.
   float* const shared_b = reinterpret_cast<float*>(shared_words()) + int64_t(warp) * num_experts;
@@ -357,7 +363,28 @@ __device__ __forceinline__ void route_tokens_per_warp(const KernelArgs& args) {
     // winner; the weights are gathered after the last round, keeping a shuffle off each
     // round's path.
     uint32_t chosen_id = 0;
-    if constexpr (sorts_lanes(kVariant, V)) {
+    if constexpr (kMergeSelect) {
+      const SlotOrder<V> order = sort_lane(value);
+      // The lane's best kMergeWidth as keys (the larger key: the larger b, then the lower
+      // expert); 0, below every key of an expert in play, past its V.
+      uint64_t top[kMergeWidth];
+#pragma unroll
+      for (int i = 0; i < kMergeWidth; ++i) {
+        top[i] = i < V ? key_from_ordered(value[i], uint32_t(first) +
+                                                        uint32_t((order >> (4 * i)) & 15u))
+                       : 0u;
+      }
+#pragma unroll
+      for (int step = kWarpSize / 2; step > 0; step /= 2) {
+        uint64_t theirs[kMergeWidth];
+#pragma unroll
+        for (int i = 0; i < kMergeWidth; ++i) theirs[i] = shfl_xor(top[i], step);
+        merge_top_keys(top, theirs);
+      }
+      // Every lane now holds the warp's best, in winning order: lane j keeps the j-th.
+#pragma unroll
+      for (int j = 0; j < kShape.topk; ++j) chosen_id = lane == j ? key_index(top[j]) : chosen_id;
+    } else if constexpr (sorts_lanes(kVariant, V)) {
       SlotOrder<V> order = sort_lane(value);
       for (int j = 0; j < topk; ++j) {
         const uint32_t id = sorted_round_winner<kWarpSize>(value, order, first, lane);

@@ -1,6 +1,7 @@
 // A lane's sort of its experts for the routing warp kernel's sorted lanes
 // (grouped_topk_warp.h, sorts_lanes): values larger first, the lower expert first on a tie,
-// and where each came from, packed. No GPU runtime header here: the host unit test
+// and where each came from, packed; and the merge of two sorted lists of keys that routing
+// variant 8 runs over a butterfly of lanes (merge_top_keys). No GPU runtime header here: the host unit test
 // tests/cpp/test_sort_lane.cpp compiles these very functions.
 #pragma once
 
@@ -102,6 +103,46 @@ MOEEXT_HOST_DEVICE inline void drop_first_if(bool drops, uint32_t (&value)[V],
   for (int i = 0; i + 1 < V; ++i) value[i] = drops ? value[i + 1] : value[i];
   value[V - 1] = drops ? 0u : value[V - 1];
   order = drops ? SlotOrder<V>(order >> 4) : order;
+}
+
+// a and b as (larger, smaller). On CUDA one 64-bit compare feeds both selects: written in
+// C++, nvcc compares twice (a maximum and a minimum), 24 instructions more a merge of 8 keys.
+MOEEXT_HOST_DEVICE inline void order_keys(uint64_t a, uint64_t b, uint64_t& larger,
+                                          uint64_t& smaller) {
+#if defined(__CUDA_ARCH__)
+  asm("{ .reg .pred p; setp.gt.u64 p, %2, %3; selp.b64 %0, %2, %3, p; selp.b64 %1, %3, %2, p; }"
+      : "=l"(larger), "=l"(smaller)
+      : "l"(b), "l"(a));
+#else
+  const bool swap = b > a;
+  larger = swap ? b : a;
+  smaller = swap ? a : b;
+#endif
+}
+
+// Each pair (i, i + kSpan) whose i has bit kSpan clear put larger first, then the same at half
+// the span: a bitonic sequence of K keys sorted larger first.
+template <int kSpan, int K>
+MOEEXT_HOST_DEVICE inline void bitonic_sort_keys(uint64_t (&key)[K]) {
+  if constexpr (kSpan > 0) {
+    for (int i = 0; i < K; ++i) {
+      if ((i & kSpan) == 0) order_keys(key[i], key[i + kSpan], key[i], key[i + kSpan]);
+    }
+    bitonic_sort_keys<kSpan / 2>(key);
+  }
+}
+
+// The K largest of two lists of K keys, each sorted larger first, into `mine`, sorted likewise.
+// The larger of each pair taken from opposite ends is a bitonic sequence that holds them
+// (Batcher), which a bitonic merge sorts. Keys equal across the lists are taken either way.
+template <int K>
+MOEEXT_HOST_DEVICE inline void merge_top_keys(uint64_t (&mine)[K], const uint64_t (&theirs)[K]) {
+  static_assert(K >= 1 && (K & (K - 1)) == 0, "a bitonic merge of a power of two");
+  for (int i = 0; i < K; ++i) {
+    const uint64_t other = theirs[K - 1 - i];
+    mine[i] = mine[i] > other ? mine[i] : other;
+  }
+  bitonic_sort_keys<K / 2>(mine);
 }
 
 }  // namespace moeext::gpu::grouped_topk

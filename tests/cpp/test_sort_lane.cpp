@@ -2,8 +2,9 @@
 // sorted-lanes variant: the sort against a stable sort at every width it takes, on every 0-1
 // input and on inputs full of ties; and the rounds the kernel builds on it (the largest first
 // value over the lanes, the lowest lane holding it drops it) against plain argmax with the
-// lowest expert winning a tie, on warps of 32 lanes. The warp reductions are written out here;
-// the per-lane steps are the kernel's own functions.
+// lowest expert winning a tie, on warps of 32 lanes; and the butterfly of list merges routing
+// variant 8 runs in their place (merge_top_keys), against the same argmax. The warp reductions
+// and shuffles are written out here; the per-lane steps are the kernel's own functions.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +14,7 @@
 
 #include "check.h"
 #include "gpu/sort_lane.h"
+#include "host_device/routing.h"
 
 namespace gt = moeext::gpu::grouped_topk;
 
@@ -113,6 +115,61 @@ void test_rounds(std::mt19937& rng) {
   }
 }
 
+// The best K keys of every lane's sorted experts (0 past V), merged over a butterfly of kLanes
+// lanes as variant 8 does, against topk rounds of argmax over the row: each lane must end with
+// the same list, whose first topk are the argmax winners in order.
+template <int V, int K>
+void check_merges(const std::vector<uint32_t>& row, int topk) {
+  uint64_t top[kLanes][K];
+  for (int lane = 0; lane < kLanes; ++lane) {
+    uint32_t value[V];
+    for (int i = 0; i < V; ++i) value[i] = row[size_t(lane * V + i)];
+    const gt::SlotOrder<V> order = gt::sort_lane(value);
+    for (int i = 0; i < K; ++i) {
+      const uint32_t slot = i < V ? uint32_t((order >> (4 * i)) & 15u) : 0u;
+      top[lane][i] = i < V ? moeext::host_device::key_from_ordered(value[i],
+                                                                    uint32_t(lane * V) + slot)
+                           : 0u;
+    }
+  }
+  for (int step = kLanes / 2; step > 0; step /= 2) {
+    uint64_t before[kLanes][K];
+    std::copy(&top[0][0], &top[0][0] + kLanes * K, &before[0][0]);
+    for (int lane = 0; lane < kLanes; ++lane) gt::merge_top_keys(top[lane], before[lane ^ step]);
+  }
+  std::vector<uint32_t> left = row;
+  for (int j = 0; j < topk; ++j) {
+    const size_t expected = size_t(std::max_element(left.begin(), left.end()) - left.begin());
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const uint32_t id = moeext::host_device::key_index(top[lane][j]);
+      const uint32_t value = uint32_t(top[lane][j] >> 32);
+      CHECK(id == expected && value == left[expected] && value != 0,
+            "V=%d K=%d lane %d place %d: expert %u (%u), expected %zu (%u)", V, K, lane, j, id,
+            value, expected, left[expected]);
+    }
+    left[expected] = 0;
+  }
+}
+
+template <int V, int K>
+void test_merges(std::mt19937& rng) {
+  std::vector<uint32_t> row(size_t(kLanes * V));
+  for (int trial = 0; trial < 2000; ++trial) {
+    // As test_rounds: many ties, a share out of play, at least topk in play; topk up to K.
+    const uint32_t range = trial % 3 == 0 ? 3u : (trial % 3 == 1 ? 50u : 0xfffffffeu);
+    const int topk = K / 2 + 1 + int(rng() % uint32_t(K - K / 2));
+    int in_play = 0;
+    for (auto& v : row) {
+      v = rng() % (trial % 5 == 0 ? 16 : 4) != 0 ? 0u : 1u + rng() % range;
+      in_play += v != 0;
+    }
+    for (size_t e = 0; in_play < topk; e += 7) {
+      if (row[e % row.size()] == 0) row[e % row.size()] = 1, ++in_play;
+    }
+    check_merges<V, K>(row, topk);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -122,5 +179,11 @@ int main() {
   test_rounds<8>(rng);
   test_rounds<12>(rng);
   test_rounds<16>(rng);
+  test_merges<4, 8>(rng);  // fewer experts a lane than the list holds
+  test_merges<8, 8>(rng);
+  test_merges<12, 8>(rng);
+  test_merges<16, 4>(rng);
+  test_merges<8, 1>(rng);
+  test_merges<8, 2>(rng);
   return moeext_test::finish("test_sort_lane");
 }

@@ -51,6 +51,13 @@ def _host_form(match):
     if instruction.startswith("rcp.approx.ftz.f32 "):
         out, value = re.search(r'"=f"\((\w+)\)\s*:\s*"f"\((.*)\)\s*$', body, re.S).groups()
         return f"{out} = ::moeext_emu::rcp_approx_ftz({value});"
+    if instruction == ("{ .reg .pred p; setp.gt.u64 p, %2, %3; selp.b64 %0, %2, %3, p; "
+                       "selp.b64 %1, %3, %2, p; }"):
+        larger, smaller, x, y = re.search(
+            r'"=l"\((\w+)\),\s*"=l"\((\w+)\)\s*:\s*"l"\((\w+)\),\s*"l"\((\w+)\)\s*$', body,
+            re.S).groups()
+        return (f"{{ const bool p_ = {x} > {y}; const uint64_t x_ = {x}, y_ = {y}; "
+                f"{larger} = p_ ? x_ : y_; {smaller} = p_ ? y_ : x_; }}")
     if instruction in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
         return "(void)0;"  # one grid at a time: nothing to wait for, nothing to let start
     if instruction.startswith("prefetch.global.L2 "):

@@ -7,7 +7,7 @@ kind orders is then reported, whatever the values: the missing warp sync before 
 overwrite shared data the others still read, which no result can show on the host. Races
 between blocks are not looked for.
 
-It runs each kernel the GPU binding launches (routing variants 0-2, 4 and 5, with and without
+It runs each kernel the GPU binding launches (routing variants 0-2 and 4-8, with and without
 the routing options, and variant 3 with them; the router GEMM's variants; the fused router's
 GEMM and count variants; routing_weights) on shapes that take each of its paths, with
 ThreadSanitizer's runtime preloaded (tests/test_gpu_emulation.py: LD_PRELOAD, halt_on_error).
@@ -70,7 +70,7 @@ def routing(module, ops):
             logits = (2 * torch.randn(num_tokens, experts, generator=g)).to(torch.bfloat16)
             logits[num_tokens // 2, : experts // 2] = 0.5  # a row of ties
             bias = (2 + 0.05 * torch.randn(experts, generator=g)) if has_bias else None
-            for variant in (0, 1, 2, 4, 5, 6, 7):
+            for variant in (0, 1, 2, 4, 5, 6, 7, 8):
                 _configure(module, routing=variant, order=variant % 3, pdl=variant == 1)
                 ops.biased_grouped_topk(logits, bias, **k)
             # Options: the current kernel, and variant 3 (the gate's own instance with them).
@@ -79,7 +79,7 @@ def routing(module, ops):
                                    torch.int64 if num_tokens > 1 else torch.int32, torch.int16)
                 _configure(module, routing=variant, order=variant % 3)
                 ops.biased_grouped_topk(logits.float(), bias, **k, **options)
-        print(f"routing {name}: variants 0-2 and 4-7, options in variants 0 and 3",
+        print(f"routing {name}: variants 0-2 and 4-8, options in variants 0 and 3",
               flush=True)
 
 

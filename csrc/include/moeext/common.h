@@ -112,8 +112,11 @@ bool gpu_programmatic_dependent_launch_supported();
 //   6: the current kernel, each lane's sigmoid scores computed as one chunk with one range
 //      test for their reciprocals (sigmoid_scores) and no NaN tests once b is NaN-free, for
 //      every plain call the warp kernel takes;
-//   7: as 4, but two threads a token (grouped_topk_thread.h, kSplit), twice the warps.
-constexpr int kGpuRoutingVariants = 8;
+//   7: as 4, but two threads a token (grouped_topk_thread.h, kSplit), twice the warps;
+//   8: the current kernel, but a plain call of those gates finds its topk by merging the
+//      lanes' sorted lists over a butterfly (merge_top_keys) in place of topk argmax rounds,
+//      for the A/B at decode sizes.
+constexpr int kGpuRoutingVariants = 9;
 namespace detail {
 // The variant set for one kind of kernel (kKind: 0 routing, 1 router GEMM, 2 fused router's
 // completion count), one flag per binary
