@@ -64,7 +64,7 @@ def _registrations():
 
 # The developers' A/B switches of the GPU kernels (moeext/common.h) and how many variants each
 # has, the current kernel (0) included.
-VARIANT_SWITCHES = {"_set_gpu_routing_variant": 9, "_set_gpu_router_gemm_variant": 2,
+VARIANT_SWITCHES = {"_set_gpu_routing_variant": 9, "_set_gpu_router_gemm_variant": 4,
                     "_set_gpu_fused_router_variant": 4}
 
 

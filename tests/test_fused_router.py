@@ -659,15 +659,17 @@ def plain_variants(gemm, fused):
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
-@pytest.mark.parametrize("variants", [(1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)],
-                         ids=["gemm1", "one-launch", "one-launch-gemm1", "one-launch-acq-rel",
-                              "one-launch-acq-rel-gemm1", "one-launch-gate-block",
-                              "one-launch-gate-block-gemm1"])
+@pytest.mark.parametrize("variants", [(1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (0, 2), (1, 2),
+                                      (0, 3), (1, 3)],
+                         ids=["gemm1", "gemm2", "gemm3", "one-launch", "one-launch-gemm1",
+                              "one-launch-acq-rel", "one-launch-acq-rel-gemm1",
+                              "one-launch-gate-block", "one-launch-gate-block-gemm1"])
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 @pytest.mark.skipif(not GPU_DEVICES, reason="needs a GPU")
 def test_variants_give_the_same_fused_router_on_cuda(preset, variants, pdl):
     """The router GEMM's variant 1 (never the weight asked of L2 before the grid wait, which
-    the current kernel does under programmatic dependent launch), and the one launch counting
+    the current kernel does under programmatic dependent launch), its variants 2 and 3 (the
+    4-token tile's other shapes, in the two kernels' GEMM), and the one launch counting
     its blocks either way (every thread fencing, or thread 0 with one acquire-release atomic),
     and routing with the gate's own code, a single token by the whole last block (variant 3):
     the bits of the two kernels for every token tile, with and without programmatic dependent

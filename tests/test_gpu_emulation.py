@@ -290,7 +290,8 @@ def _gemm_inputs(num_tokens, num_experts, hidden_size, dtype=torch.bfloat16):
 
 # 9-16 tokens only where the small-T kernel's blocks fit one wave of 132 multiprocessors.
 GEMM_CASES = ([(t, e, h) for t in (1, 4) for e, h in ((256, 7168), (384, 2056), (72, 264))]
-              + [(t, e, h) for t in (9, 16) for e, h in ((256, 7168), (72, 264))])
+              + [(t, e, h) for t in (9, 16) for e, h in ((256, 7168), (72, 264))]
+              + [(3, 77, 264)])  # the 4-token tile, an odd gate: a last block of one expert
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,hidden_size", GEMM_CASES)
@@ -303,7 +304,7 @@ def test_router_gemm_variant_and_orders_change_no_bit(emu, num_tokens, num_exper
     assert emu.router_gemm(hidden, weight, expected), "the small-T kernel takes this GEMM"
     torch.testing.assert_close(expected, reference.router_gemm(hidden, weight), rtol=2e-5,
                                atol=2e-5)
-    for variant in (0, 1):
+    for variant in (0, 1, 2, 3):
         for order, code in ORDERS.items():
             _configure(emu, order=code, gemm=variant, seed=7, pdl=code == 2)
             got = torch.empty(num_tokens, num_experts)

@@ -536,16 +536,19 @@ def router_gemm_variant(variant):
 
 @pytest.mark.parametrize("device", GPU_DEVICES or [pytest.param("cuda", marks=pytest.mark.skip(
     reason="needs a GPU and a moeext built for it"))])
+@pytest.mark.parametrize("variant", [1, 2, 3])
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
-def test_router_gemm_variant_is_the_current_kernel(device, dtype, out_dtype, pdl):
-    """Variant 1 (never the weight asked of L2 before the grid wait, which the current kernel
-    does under programmatic dependent launch) gives the current kernel's bits: every token
+def test_router_gemm_variant_is_the_current_kernel(device, dtype, out_dtype, pdl, variant):
+    """Each variant gives the current kernel's bits: 1, never the weight asked of L2 before
+    the grid wait (which the current kernel does under programmatic dependent launch); 2 and 3,
+    the 4-token tile at three blocks a multiprocessor or two experts a block. Every token
     tile, odd gates and hidden sizes, strided rows, a hidden size of 0, with and without
     programmatic dependent launch, calls back to back on the stream."""
     cases = [(t, 7168, 256) for t in (1, 2, 3, 5, 8, 9, 16)]
     cases += [(4, 6144, 384), (1, 1000, 7), (11, 8, 160), (3, 0, 5), (2, 32776, 3)]
+    cases += [(4, 7168, 384), (3, 1000, 7), (4, 2056, 385)]
     inputs = []
     for num_tokens, hidden_size, num_experts in cases:
         hidden, weight = make_inputs(num_tokens, hidden_size, num_experts, dtype,
@@ -557,7 +560,7 @@ def test_router_gemm_variant_is_the_current_kernel(device, dtype, out_dtype, pdl
     try:
         with router_gemm_variant(0):
             current = [moeext.router_gemm(h, w, out_dtype) for h, w in inputs]
-        with router_gemm_variant(1):
+        with router_gemm_variant(variant):
             other = [moeext.router_gemm(h, w, out_dtype) for h, w in inputs]
     finally:
         moeext.set_programmatic_dependent_launch(previous)

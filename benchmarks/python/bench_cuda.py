@@ -354,7 +354,7 @@ def routing_options(table, quick, tokens=None):
 ROUTING_VARIANTS = {1: None, 2: {"deepseek-v4-pro", "nemotron-style"},
                     4: {"deepseek-v3", "kimi-k2"}, 5: {"deepseek-v3", "kimi-k2"},
                     6: None, 7: {"deepseek-v3", "kimi-k2"}, 8: {"deepseek-v3", "kimi-k2"}}
-ROUTER_GEMM_VARIANTS = [1]  # moeext::gpu_router_gemm_variant's, besides 0
+ROUTER_GEMM_VARIANTS = [1, 2, 3]  # moeext::gpu_router_gemm_variant's, besides 0
 FUSED_ROUTER_VARIANTS = [1, 2, 3]  # moeext::gpu_fused_router_variant's, besides 0
 
 

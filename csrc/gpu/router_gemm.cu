@@ -31,29 +31,40 @@ namespace {
 using gpu::router_gemm::compute_logits_block;
 using gpu::router_gemm::kThreads;
 
-// One instance per (tokens, warp width, dtypes, kPrefetch: prefetches_weight_rows).
-// Instances for a warp width other than the target's compile to an empty body; the launcher
-// only runs the one for the device's width.
-template <int kTokens, int kWarpSize, typename In, typename Out, int kPrefetch>
-__global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens))
+// One instance per (tokens, warp width, dtypes, kPrefetch: prefetches_weight_rows, kShape: the
+// tiling, router_gemm_tiling.h). Instances for a warp width other than the target's compile to
+// an empty body; the launcher only runs the one for the device's width.
+template <int kTokens, int kWarpSize, typename In, typename Out, int kPrefetch, int kShape>
+__global__ void __launch_bounds__(kThreads, gpu::router_gemm_min_blocks_per_sm(kTokens, kShape))
     router_gemm_kernel(RouterGemmParams p) {
   if constexpr (kWarpSize == MOEEXT_DEVICE_WARP_SIZE) {
     if constexpr (kPrefetch == 1) {
-      gpu::router_gemm::prefetch_weight_rows<kTokens, In>(p, int(blockIdx.x));
+      gpu::router_gemm::prefetch_weight_rows<kTokens, In, kShape>(p, int(blockIdx.x));
     }
     gpu::wait_for_prior_grids();
     gpu::allow_dependent_grids();
-    compute_logits_block<kTokens, kWarpSize, In, Out>(p, int(blockIdx.x));
+    compute_logits_block<kTokens, kWarpSize, In, Out, kShape>(p, int(blockIdx.x));
   }
 }
 
+template <int kTokens, int kWarpSize, typename In, typename Out, int kShape>
+GpuError launch_shape(const RouterGemmParams& p, gpu::Stream stream) {
+  const unsigned blocks = unsigned(gpu::router_gemm_blocks(kTokens, p.num_experts, kShape));
+  const auto kernel = gpu::router_gemm::prefetches_weight_rows(p)
+                          ? router_gemm_kernel<kTokens, kWarpSize, In, Out, 1, kShape>
+                          : router_gemm_kernel<kTokens, kWarpSize, In, Out, 0, kShape>;
+  return gpu::launch_dependent(kernel, dim3(blocks), dim3(kThreads), 0, stream, p);
+}
+
+// The 4-token tile in router GEMM variant 2's or 3's tiling where that variant is set.
 template <int kTokens, int kWarpSize, typename In, typename Out>
 GpuError launch(const RouterGemmParams& p, gpu::Stream stream) {
-  const unsigned blocks = unsigned(gpu::router_gemm_blocks(kTokens, p.num_experts));
-  const auto kernel = gpu::router_gemm::prefetches_weight_rows(p)
-                          ? router_gemm_kernel<kTokens, kWarpSize, In, Out, 1>
-                          : router_gemm_kernel<kTokens, kWarpSize, In, Out, 0>;
-  return gpu::launch_dependent(kernel, dim3(blocks), dim3(kThreads), 0, stream, p);
+  if constexpr (kTokens == 4) {
+    const int variant = gpu_router_gemm_variant();
+    if (variant == 2) return launch_shape<kTokens, kWarpSize, In, Out, 2>(p, stream);
+    if (variant == 3) return launch_shape<kTokens, kWarpSize, In, Out, 3>(p, stream);
+  }
+  return launch_shape<kTokens, kWarpSize, In, Out, 0>(p, stream);
 }
 
 template <int kWarpSize, typename In, typename Out>

@@ -117,9 +117,10 @@ constexpr int kPrefetchLinesPerThread = 2;
 // Whether the GEMM kernels (router_gemm's, the fused router's one launch) launch the instance
 // that calls prefetch_weight_rows: where the launch is programmatic (on an H200, 2026-11-30,
 // 1.00-1.12x faster with PDL and 0.92-1.00x without: docs/notes/gpu-kernels.md), unless the
-// router GEMM variant 1 asks for the kernel without it; never with hidden_size 0.
+// router GEMM variant 1 asks for the kernel without it (the others prefetch as the current
+// kernel does); never with hidden_size 0.
 inline bool prefetches_weight_rows(const RouterGemmParams& p) {
-  return p.hidden_size > 0 && gpu_router_gemm_variant() == 0 && launches_programmatic();
+  return p.hidden_size > 0 && gpu_router_gemm_variant() != 1 && launches_programmatic();
 }
 
 // Into L2, block `block`'s weight rows, before the kernel waits for the grid before it (where
@@ -130,10 +131,10 @@ inline bool prefetches_weight_rows(const RouterGemmParams& p) {
 // Every thread asks for kPrefetchLinesPerThread addresses in every row, those past the row's
 // end for its last byte, with no branch (the grid-dependency check then sees no path around
 // the wait). Needs hidden_size > 0. CUDA only: a hint, nothing else changes.
-template <int kTokens, typename In>
+template <int kTokens, typename In, int kShape = 0>
 __device__ __forceinline__ void prefetch_weight_rows(const RouterGemmParams& p, int block) {
 #if !defined(MOEEXT_HIP)
-  constexpr int kExperts = gpu::router_gemm_experts_per_block(kTokens);
+  constexpr int kExperts = gpu::router_gemm_experts_per_block(kTokens, kShape);
   constexpr int kLine = 128;
   const int64_t row_bytes = p.hidden_size * int64_t(sizeof(In));
 #pragma unroll
@@ -155,11 +156,12 @@ __device__ __forceinline__ void prefetch_weight_rows(const RouterGemmParams& p, 
 }
 
 // Block `block`'s logits, written to p.logits. A __syncthreads inside: every thread of the
-// block calls it.
-template <int kTokens, int kWarpSize, typename In, typename Out>
+// block calls it. kShape: 0, or the router GEMM variant whose tiling it takes
+// (router_gemm_tiling.h); the sums are the same whichever.
+template <int kTokens, int kWarpSize, typename In, typename Out, int kShape = 0>
 __device__ __forceinline__ void compute_logits_block(const RouterGemmParams& p, int block) {
-  constexpr int kExperts = gpu::router_gemm_experts_per_block(kTokens);
-  constexpr int kUnroll = gpu::router_gemm_unroll(kTokens);
+  constexpr int kExperts = gpu::router_gemm_experts_per_block(kTokens, kShape);
+  constexpr int kUnroll = gpu::router_gemm_unroll(kTokens, kShape);
   constexpr int kValues = kTokens * kExperts;
   constexpr int kWarps = kThreads / kWarpSize;
   constexpr int kOut = gpu::reduced_values_per_lane(kValues, kWarpSize);

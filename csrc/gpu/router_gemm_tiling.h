@@ -22,31 +22,43 @@ MOEEXT_HOST_DEVICE inline int router_gemm_token_tile(int64_t num_tokens) {
   return tile;
 }
 
+// The functions below take a `shape`: 0 for the kernel calls run, or router GEMM variant 2 or 3
+// (moeext::gpu_router_gemm_variant), which differ at the 4-token tile only. There a block of one
+// expert needs 110 registers (sm_90a), so two blocks a multiprocessor, and Kimi-K2's 384
+// experts take two waves of an H200's 132 where every other gate and tile takes one. Variant 2
+// compiles that tile for three blocks a multiprocessor, variant 3 gives its blocks two experts
+// each (192 blocks). Neither changes a sum: a thread's chunks are the same whatever the unroll,
+// and the warps' reduction the same whatever the experts a block.
+MOEEXT_HOST_DEVICE constexpr bool router_gemm_shape_applies(int token_tile, int shape, int variant) {
+  return token_tile == 4 && shape == variant;
+}
+
 // Experts one block computes. Every hidden-state chunk a thread loads is used for each of
 // them, which divides the hidden-state traffic from L2 (kTokens times the weight's) by
 // this; but it also divides the block count, and at T <= 4 the weight stream dominates, so
 // only the larger tiles share.
-MOEEXT_HOST_DEVICE constexpr int router_gemm_experts_per_block(int token_tile) {
-  return token_tile >= 8 ? 2 : 1;
+MOEEXT_HOST_DEVICE constexpr int router_gemm_experts_per_block(int token_tile, int shape = 0) {
+  return token_tile >= 8 || router_gemm_shape_applies(token_tile, shape, 3) ? 2 : 1;
 }
 
 // 16-byte weight chunks each thread keeps in flight per expert: 4 in all per thread, so the
 // bytes in flight stay the same when a block takes more experts.
-MOEEXT_HOST_DEVICE constexpr int router_gemm_unroll(int token_tile) {
-  return 4 / router_gemm_experts_per_block(token_tile);
+MOEEXT_HOST_DEVICE constexpr int router_gemm_unroll(int token_tile, int shape = 0) {
+  return 4 / router_gemm_experts_per_block(token_tile, shape);
 }
 
 // Blocks of 256 threads per SM the kernel is compiled for (__launch_bounds__). Two (at most
 // 128 registers a thread) let ptxas hoist every load of a pass and still keep E = 256
 // resident at once; at 16 tokens the 32 accumulators plus the hoisted hidden-state loads
 // need more than 128, and 128 blocks (E = 256) fit one per SM anyway.
-MOEEXT_HOST_DEVICE constexpr int router_gemm_min_blocks_per_sm(int token_tile) {
-  return token_tile >= 16 ? 1 : 2;
+MOEEXT_HOST_DEVICE constexpr int router_gemm_min_blocks_per_sm(int token_tile, int shape = 0) {
+  return token_tile >= 16 ? 1 : router_gemm_shape_applies(token_tile, shape, 2) ? 3 : 2;
 }
 
 // Blocks the kernel launches.
-MOEEXT_HOST_DEVICE inline int64_t router_gemm_blocks(int token_tile, int64_t num_experts) {
-  const int experts = router_gemm_experts_per_block(token_tile);
+MOEEXT_HOST_DEVICE inline int64_t router_gemm_blocks(int token_tile, int64_t num_experts,
+                                                     int shape = 0) {
+  const int experts = router_gemm_experts_per_block(token_tile, shape);
   return (num_experts + experts - 1) / experts;
 }
 

@@ -26,18 +26,33 @@ void test_token_tiles() {
     CHECK(gpu::router_gemm_token_tile(t) == want, "token_tile(%lld) = %d, want %d",
           static_cast<long long>(t), gpu::router_gemm_token_tile(t), want);
   }
-  for (int tile : {1, 2, 4, 8, 16}) {
-    const int experts = gpu::router_gemm_experts_per_block(tile);
-    const int values = tile * experts;
-    // The kernel's butterfly needs a power of two, one summing thread per value (256), and
-    // keeps 4 weight chunks in flight per thread.
-    CHECK(values >= 1 && (values & (values - 1)) == 0 && values <= 256,
-          "tile %d: %d values", tile, values);
-    CHECK(gpu::router_gemm_unroll(tile) * experts == 4, "tile %d: unroll %d x experts %d",
-          tile, gpu::router_gemm_unroll(tile), experts);
-    const int min_blocks = gpu::router_gemm_min_blocks_per_sm(tile);
-    CHECK(min_blocks == 1 || min_blocks == 2, "tile %d: min blocks %d", tile, min_blocks);
+  for (int shape : {0, 2, 3}) {
+    for (int tile : {1, 2, 4, 8, 16}) {
+      const int experts = gpu::router_gemm_experts_per_block(tile, shape);
+      const int values = tile * experts;
+      // The kernel's butterfly needs a power of two, one summing thread per value (256), and
+      // keeps 4 weight chunks in flight per thread.
+      CHECK(values >= 1 && (values & (values - 1)) == 0 && values <= 256,
+            "tile %d shape %d: %d values", tile, shape, values);
+      CHECK(gpu::router_gemm_unroll(tile, shape) * experts == 4,
+            "tile %d shape %d: unroll %d x experts %d", tile, shape,
+            gpu::router_gemm_unroll(tile, shape), experts);
+      const int min_blocks = gpu::router_gemm_min_blocks_per_sm(tile, shape);
+      CHECK(min_blocks >= 1 && min_blocks <= 3, "tile %d shape %d: min blocks %d", tile, shape,
+            min_blocks);
+      // Variants 2 and 3 change the 4-token tile only, each one thing of it.
+      const bool changed = experts != gpu::router_gemm_experts_per_block(tile) ||
+                           min_blocks != gpu::router_gemm_min_blocks_per_sm(tile);
+      CHECK(changed == (shape != 0 && tile == 4), "tile %d shape %d changed: %d", tile, shape,
+            int(changed));
+    }
   }
+  CHECK(gpu::router_gemm_min_blocks_per_sm(4, 2) == 3 &&
+            gpu::router_gemm_experts_per_block(4, 2) == 1,
+        "shape 2: one expert, three blocks a multiprocessor");
+  CHECK(gpu::router_gemm_min_blocks_per_sm(4, 3) == 2 &&
+            gpu::router_gemm_experts_per_block(4, 3) == 2,
+        "shape 3: two experts, two blocks a multiprocessor");
 }
 
 void test_small_t_pays() {
@@ -57,6 +72,9 @@ void test_small_t_pays() {
   }
   CHECK(gpu::router_gemm_blocks(1, 7) == 7 && gpu::router_gemm_blocks(16, 7) == 4,
         "blocks of E = 7");
+  CHECK(gpu::router_gemm_blocks(4, 385) == 385 && gpu::router_gemm_blocks(4, 385, 2) == 385 &&
+            gpu::router_gemm_blocks(4, 385, 3) == 193 && gpu::router_gemm_blocks(2, 385, 3) == 385,
+        "blocks of E = 385 at 4 tokens in each shape");
 }
 
 const void* fake_ptr(uintptr_t address) { return reinterpret_cast<const void*>(address); }

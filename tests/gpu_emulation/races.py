@@ -89,11 +89,11 @@ def router_gemm(module, ops):
             g = torch.Generator().manual_seed(num_tokens)
             x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
             w = (0.05 * torch.randn(experts, hidden, generator=g)).to(dtype)
-            for variant in (0, 1):
-                _configure(module, gemm=variant, order=2 * variant)
+            for variant in (0, 1, 2, 3):
+                _configure(module, gemm=variant, order=variant % 3)
                 out = torch.empty(num_tokens, experts)
                 assert module.router_gemm(x, w, out), "the small-T kernel takes this GEMM"
-        print(f"router GEMM T={num_tokens} E={experts} H={hidden}: variants 0-1", flush=True)
+        print(f"router GEMM T={num_tokens} E={experts} H={hidden}: variants 0-3", flush=True)
 
 
 def fused_router(module, ops):

@@ -143,8 +143,12 @@ inline int set_gpu_routing_variant(int variant) {
 // block ask L2 for its weight rows before it waits for the grid before it where the launch is
 // programmatic (prefetches_weight_rows), so that the weight streams from memory while that
 // grid finishes (CUDA only):
-//   1: never (the kernel until 2026-11-30; with PDL the same bits, slower on an H200).
-constexpr int kGpuRouterGemmVariants = 2;
+//   1: never (the kernel until 2026-11-30; with PDL the same bits, slower on an H200);
+//   2: the 4-token tile (3 or 4 tokens) compiled for three blocks a multiprocessor, where the
+//      current one has two, so that Kimi-K2's 384 blocks take one wave of an H200, not two
+//      (router_gemm_tiling.h; router_gemm only, not the fused router's one launch);
+//   3: the 4-token tile with two experts a block (192 blocks at Kimi-K2), likewise.
+constexpr int kGpuRouterGemmVariants = 4;
 inline int gpu_router_gemm_variant() {
   return detail::variant_flag<1>().load(std::memory_order_relaxed);
 }
