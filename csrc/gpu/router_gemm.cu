@@ -60,9 +60,11 @@ GpuError launch_shape(const RouterGemmParams& p, gpu::Stream stream) {
 template <int kTokens, int kWarpSize, typename In, typename Out>
 GpuError launch(const RouterGemmParams& p, gpu::Stream stream) {
   if constexpr (kTokens == 4) {
-    const int variant = gpu_router_gemm_variant();
-    if (variant == 2) return launch_shape<kTokens, kWarpSize, In, Out, 2>(p, stream);
-    if (variant == 3) return launch_shape<kTokens, kWarpSize, In, Out, 3>(p, stream);
+    switch (gpu_router_gemm_variant()) {
+      case 2: return launch_shape<kTokens, kWarpSize, In, Out, 2>(p, stream);
+      case 3: return launch_shape<kTokens, kWarpSize, In, Out, 3>(p, stream);
+      default: break;
+    }
   }
   return launch_shape<kTokens, kWarpSize, In, Out, 0>(p, stream);
 }
