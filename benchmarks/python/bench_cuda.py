@@ -355,6 +355,8 @@ ROUTING_VARIANTS = {1: None, 2: {"deepseek-v4-pro", "nemotron-style"},
                     4: {"deepseek-v3", "kimi-k2"}, 5: {"deepseek-v3", "kimi-k2"},
                     6: None, 7: {"deepseek-v3", "kimi-k2"}, 8: {"deepseek-v3", "kimi-k2"}}
 ROUTER_GEMM_VARIANTS = [1, 2, 3]  # moeext::gpu_router_gemm_variant's, besides 0
+# Those that change the fused router's one launch too (2 and 3 shape router_gemm's kernel only).
+FUSED_GEMM_VARIANTS = [1]
 FUSED_ROUTER_VARIANTS = [1, 2, 3]  # moeext::gpu_fused_router_variant's, besides 0
 
 
@@ -576,12 +578,14 @@ def one_launch_call(bias, rest):
 
 def router_gemm_variant_ab(table, quick, tokens=None):
     """The router GEMM's variants (moeext::gpu_router_gemm_variant) against the current kernel,
-    in router_gemm and in fused_router's one launch (the current kernel asks L2 for the weight
-    before the grid wait where it launches with PDL, which lets that overlap the grid before;
-    variant 1 never does, so the two differ with PDL only)."""
+    in router_gemm, and those that change it in fused_router's one launch (the current kernel
+    asks L2 for the weight before the grid wait where it launches with PDL, which lets that
+    overlap the grid before; variant 1 never does, so the two differ with PDL only)."""
     gate_variant_ab(table, quick, tokens, router_gemm_variant, ROUTER_GEMM_VARIANTS,
-                    lambda bias, rest: {"router_gemm": lambda xw: moeext.router_gemm(*xw),
-                                        "fused_router": one_launch_call(bias, rest)},
+                    lambda bias, rest: {"router_gemm": lambda xw: moeext.router_gemm(*xw)},
+                    "gemm variant")
+    gate_variant_ab(table, quick, tokens, router_gemm_variant, FUSED_GEMM_VARIANTS,
+                    lambda bias, rest: {"fused_router": one_launch_call(bias, rest)},
                     "gemm variant")
 
 
