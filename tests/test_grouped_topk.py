@@ -2,11 +2,14 @@
 
 import math
 import random
+import threading
+import time
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile
 
 import moeext
 from conftest import DEVICES, GPU_DEVICES
@@ -1040,8 +1043,6 @@ def test_wrappers_still_script():
 
 def test_direct_call_releases_the_gil():
     """Another Python thread runs while a long call routes, as it does through torch.ops."""
-    import threading
-    import time
 
     logits, bias = make_inputs(100_000, 256, torch.bfloat16, torch.float32)
     window, stamps = [], []
@@ -1155,6 +1156,47 @@ def routing_problem_inputs(problem, device):
         bias = torch.randn(num_experts, generator=g)
         bias = (bias.round() if special == "ties" else bias).to(bias_dtype).to(device)
     return logits, bias, (num_expert_group, topk_group, topk, renormalize, scale, scoring_func)
+
+
+def _decode_results():
+    """A decode step's CPU results: routing's two, router_gemm's logits, fused_router's two."""
+    p = PRESETS["deepseek-v3"]
+    logits, bias = make_inputs(3, p.num_experts, torch.bfloat16, torch.float32)
+    hidden = torch.randn(3, 64).bfloat16()
+    gate = torch.randn(p.num_experts, 64).bfloat16()
+    args = (p.num_expert_group, p.topk_group, p.topk)
+    return {"biased_grouped_topk": moeext.biased_grouped_topk(logits, bias, *args),
+            "router_gemm": (moeext.router_gemm(hidden, gate),),
+            "fused_router": moeext.fused_router(hidden, gate, bias, *args)[:2]}
+
+
+def test_decode_results_are_ordinary_tensors():
+    """Small CPU results come from malloc (cpu_memory.h): aligned as torch.empty's, growable
+    past the small size, and freed from any thread."""
+    for op, results in _decode_results().items():
+        for t in results:
+            assert t.data_ptr() % 64 == 0, op
+            first = t.clone()
+            t.resize_(1 << 16)  # 256 KiB: the storage grows through its allocator
+            assert torch.equal(t[:first.numel()], first.flatten()), op
+            t.fill_(1)
+            assert bool((t == 1).all()), op
+    freed = _decode_results()
+    worker = threading.Thread(target=freed.clear)
+    worker.start()
+    worker.join()
+    assert not freed
+
+
+def test_decode_results_are_counted_by_the_memory_profiler():
+    """While a profiler counts memory, the results come from torch's CPU allocator, which
+    reports them: each op's own allocations are in its row."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _decode_results()
+    used = {e.key: e.self_cpu_memory_usage for e in prof.key_averages()}
+    assert used["moeext::biased_grouped_topk"] >= 2 * 3 * 8 * 4
+    assert used["moeext::router_gemm"] >= 3 * 256 * 4
+    assert used["moeext::fused_router"] >= 2 * 3 * 8 * 4
 
 
 # Parametrised rather than a fixture: hypothesis reruns the body, not function-scoped fixtures.

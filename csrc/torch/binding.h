@@ -5,7 +5,6 @@
 // too) as <Gpu>; what differs between the two is the device's launch, an overload per device.
 #pragma once
 
-#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -14,6 +13,7 @@
 
 #include "moeext/common.h"
 #include "torch/check_messages.h"
+#include "torch/cpu_memory.h"
 
 #if defined(MOEEXT_GPU_BACKEND)
 #include <ATen/ops/empty.h>
@@ -59,11 +59,10 @@ struct Cpu {
     TORCH_CHECK(t.device().is_cpu(), op, ": ", arg, " must be a CPU tensor here, got ",
                 t.device());
   }
-  // Contiguous, straight from the CPU allocator: at::empty's trip through the dispatcher
-  // costs about a tenth of a decode-sized routing call, which allocates two outputs.
+  // Contiguous, without at::empty's trip through the dispatcher (about a tenth of a
+  // decode-sized routing call, which allocates two outputs); cpu_memory.h says from where.
   static at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& /*like*/) {
-    return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false,
-                                 /*memory_format_opt=*/std::nullopt);
+    return empty_cpu_output(sizes, dtype);
   }
 };
 

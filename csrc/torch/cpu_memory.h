@@ -1,7 +1,10 @@
-// How the CPU implementations treat large outputs and streaming work (the shuffles).
+// How the CPU implementations allocate their outputs and treat large outputs and streaming
+// work (the shuffles).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -11,6 +14,13 @@
 #endif
 
 namespace moeext::torch_glue {
+
+// A contiguous output, uninitialised. Up to kSmallOutputBytes (a decode step's routing
+// results and logits) the block comes from malloc: torch's CPU allocator asks posix_memalign,
+// whose splitting and consolidation cost about as much as a one-token routing kernel, twice a
+// call for the two routing results. Larger ones come from torch's CPU allocator.
+constexpr size_t kSmallOutputBytes = size_t(64) << 10;
+at::Tensor empty_cpu_output(at::IntArrayRef sizes, at::ScalarType dtype);
 
 // A fresh multi-hundred-MiB output spends more time in 4 KiB page faults than in the shuffle
 // itself. Asking for transparent huge pages before the first touch removes most of them; where
