@@ -129,6 +129,7 @@ def emulation_file(name):
     spec.loader.exec_module(module)
     return module
 
+
 # Per emulated test: how many GPU kernels it launched (the summary lists those with none).
 EMULATED_LAUNCHES = {}
 

@@ -227,7 +227,6 @@ def test_bumps_the_versions_of_what_it_writes(device, tracked):
     assert int(buf[:1].count_nonzero()) == 4 and int(buf[1:].count_nonzero()) == 0
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gradient_through_the_zeroed_rows_matches_the_reference(device, dtype):
     # As torch's own zero_: the zeroed rows pass no gradient back, the others pass it on.

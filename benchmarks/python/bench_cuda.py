@@ -243,7 +243,6 @@ def engine_rows(table, op, case, ours, kernels, inputs, reference, mismatch):
         table.add(op, case, ours, label, times, mode=mode)
 
 
-
 def routing_args(p):
     """A preset's routing arguments after the logits and bias, positionally, as engines pass
     them."""
@@ -259,6 +258,7 @@ def mm_has_out_dtype():
     except (TypeError, RuntimeError):
         return False
     return True
+
 
 def grouped_topk(table, quick, tokens=None, engines=None):
     presets = ["deepseek-v3", "kimi-k2"] if quick else list(PRESETS)

@@ -132,7 +132,6 @@ def _biased_grouped_topk_fake(gating_output, correction_bias, num_expert_group, 
     return weights, ids
 
 
-
 def _check_out_columns(op, topk_ids, num_fused_shared_experts):
     """The out= forms' topk_ids: 2-D with a routed column beside the shared experts; topk."""
     torch._check(topk_ids.dim() == 2,
@@ -161,6 +160,7 @@ def _check_outputs(op, gating_output, topk_weights, topk_ids, columns,
                      _message("routing.output_shape", op=op, arg=arg,
                               num_tokens=gating_output.shape[0], columns=columns,
                               shape=list(out.shape)))
+
 
 @torch.library.register_fake("moeext::biased_grouped_topk_out")
 def _biased_grouped_topk_out_fake(gating_output, correction_bias, topk_weights, topk_ids,
@@ -282,6 +282,7 @@ def _fused_router_out_fake(hidden_states, weight, correction_bias, topk_weights,
     _check_options(op, logits, topk, num_fused_shared_experts, expert_map, expert_counts,
                    routed_experts, num_valid_tokens, logits_name="hidden_states")
     return None
+
 
 def _check_extent(op, arg, value):
     torch._check(value >= 0, _message("zero_tail.extent", op=op, arg=arg, value=value))

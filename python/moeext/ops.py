@@ -436,7 +436,6 @@ def fused_router(
     return weights, ids, logits if return_logits else None
 
 
-
 def fused_router_out(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -515,6 +514,7 @@ def fused_router_out(
         routed_experts,
         num_valid_tokens,
     )
+
 
 def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     """The router weight in the layout the CPU ``router_gemm`` reads fastest, made once.
