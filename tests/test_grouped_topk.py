@@ -1043,7 +1043,6 @@ def test_wrappers_still_script():
 
 def test_direct_call_releases_the_gil():
     """Another Python thread runs while a long call routes, as it does through torch.ops."""
-
     logits, bias = make_inputs(100_000, 256, torch.bfloat16, torch.float32)
     window, stamps = [], []
 
