@@ -5,6 +5,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/DispatchKeySet.h>
+#include <c10/core/alignment.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -13,9 +14,9 @@
 namespace moeext::torch_glue {
 namespace {
 
-// The alignment torch's CPU allocator gives (c10::gAlignment), kept so that a result's data
-// is aligned as a torch.empty one is.
-constexpr size_t kAlignment = 64;
+// The alignment torch's CPU allocator gives, so that a result's data is aligned as a
+// torch.empty one is.
+constexpr size_t kAlignment = c10::gAlignment;
 
 void free_block(void* block) { std::free(block); }
 
