@@ -127,7 +127,8 @@ class GroupedTopKRouter(torch.nn.Module):
         device: where the parameters live.
         prepack_weight: hold ``weight`` in the layout of :func:`moeext.prepack_router_weight`
             (bf16 on the CPU only), which ``router_gemm`` reads faster for decode batches of
-            up to about 8 tokens (docs/PERFORMANCE.md). ``load_state_dict`` takes the
+            up to about 8 tokens on AMD Zen CPUs, and slower on an Intel Xeon
+            (docs/PERFORMANCE.md). ``load_state_dict`` takes the
             checkpoint's ``[num_experts, hidden_size]`` weight and packs it once;
             ``state_dict`` gives that layout back, so checkpoints stay interchangeable with an
             unpacked router. The parameter itself is then ``[ceil(hidden_size / 2),

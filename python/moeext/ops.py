@@ -525,8 +525,10 @@ def prepack_router_weight(weight: torch.Tensor) -> torch.Tensor:
     bf16 pair ``(h = 2k, 2k + 1)`` of every expert of the tile for k = 0, 1, ... (an odd
     ``H``'s last pair padded with zero), the tiles one after the other. A register tile of the
     kernel then multiplies whole vectors of experts by one broadcast pair of each token, with
-    the tokens in L1 and the weight in one sequential stream. It pays for decode batches of up
-    to about 8 tokens on AVX512-BF16, and for single tokens on AVX2 (docs/PERFORMANCE.md).
+    the tokens in L1 and the weight in one sequential stream. On AMD Zen CPUs it pays for
+    decode batches of up to about 8 tokens on AVX512-BF16, and for single tokens on AVX2; on
+    an Intel Xeon (AVX512-BF16) it did not, and with a decode step's gates read in turn it
+    took 1.2-1.8x the time of the ``nn.Linear`` layout (docs/PERFORMANCE.md).
 
     The result is opaque: its shape ``[ceil(H / 2), E, 2]`` carries the sizes, but it is no
     view of ``weight`` (``reference.unpack_router_weight`` inverts it). It is a copy: keep it
