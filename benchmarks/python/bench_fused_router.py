@@ -113,8 +113,9 @@ def rows(quick=False, presets=None, tokens=None, rounds=ROUNDS, min_time=None, l
                 assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
                 fused_s, two_s, out_s, two_out_s, gemm_s = in_turns(
                     [fused, two_calls, fused_out, two_calls_out, gemm], min_time, rounds)
-                case = f"{name} T={num_tokens} {layout}" + (f" {layers} gates" if layers > 1
-                                                             else "")
+                case = f"{name} T={num_tokens} {layout}"
+                if layers > 1:
+                    case += f" {layers} gates"
                 for op, times, baseline, baseline_times in (
                         ("fused_router", fused_s, "router_gemm + routing", two_s),
                         ("fused_router", fused_s, "router_gemm alone", gemm_s),
